@@ -1,0 +1,85 @@
+"""The full set of config fields, with their defaults and what they mean.
+
+Every file under configs/ starts from `base_config()` and overrides what it
+needs, so a field exists in every config and `--config.x.y=...` overrides work
+everywhere. Field names here are the project's vocabulary (`config.mode`,
+`config.diloco.islands`, `config.diloco.inner_steps`, `config.total_steps`).
+"""
+
+import ml_collections
+
+MODES = ("diloco", "ddp", "single")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "momentum", "adam")
+INNER_OPTIMIZERS = ("adamw",)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Returns a complete config with defaults for a small CPU run."""
+  c = ml_collections.ConfigDict()
+  c.mode = "diloco"  # 'diloco' | 'ddp' | 'single'
+  c.seed = 0
+  c.total_steps = 200  # inner steps per island (optimizer steps for ddp/single)
+
+  c.diloco = ml_collections.ConfigDict()
+  c.diloco.islands = 4  # k; ddp uses them as data-parallel workers
+  c.diloco.inner_steps = 50  # H
+  c.diloco.outer_optimizer = ml_collections.ConfigDict()
+  c.diloco.outer_optimizer.name = "nesterov"  # see OUTER_OPTIMIZERS
+  c.diloco.outer_optimizer.learning_rate = 0.7
+  c.diloco.outer_optimizer.momentum = 0.9  # nesterov / momentum
+  c.diloco.outer_optimizer.b1 = 0.9  # adam
+  c.diloco.outer_optimizer.b2 = 0.999  # adam
+  # DiLoCo found outer Adam unstable unless eps is large (~0.1).
+  c.diloco.outer_optimizer.eps = 0.1  # adam
+
+  c.inner_optimizer = ml_collections.ConfigDict()
+  c.inner_optimizer.name = "adamw"
+  c.inner_optimizer.learning_rate = 4e-4  # peak
+  c.inner_optimizer.warmup_steps = 20
+  c.inner_optimizer.final_learning_rate_fraction = 0.1  # cosine floor
+  c.inner_optimizer.weight_decay = 0.1
+  c.inner_optimizer.b1 = 0.9
+  c.inner_optimizer.b2 = 0.95
+  c.inner_optimizer.eps = 1e-8
+  c.inner_optimizer.grad_clip_norm = 1.0  # 0 disables clipping
+
+  # Mesh axes inside an island; the 'island' axis size is diloco.islands.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.stage = 1
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 257  # byte-level: 256 bytes + EOS
+  c.model.num_layers = 2
+  c.model.d_model = 64
+  c.model.num_heads = 4
+  c.model.head_dim = 16
+  c.model.mlp_dim = 256
+  c.model.max_sequence_length = 128
+  c.model.tie_embeddings = True
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+  c.model.rope_base = 10000.0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = "embedded"  # 'embedded' | 'synthetic' | 'text_files' | 'c4'
+  c.data.path = ""  # files/glob for text_files; data location for c4
+  c.data.sequence_length = 128
+  c.data.batch_size = 16  # per island (per worker); ddp global = islands x this
+  c.data.validation_fraction = 0.05
+  c.data.seed = 0
+  c.data.synthetic = ml_collections.ConfigDict()
+  c.data.synthetic.vocab_size = 64
+  c.data.synthetic.concentration = 0.1
+  c.data.synthetic.num_documents = 2048
+  c.data.synthetic.document_length = 256
+  c.data.synthetic.validation_documents = 128
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.batch_size = 16
+  c.eval.num_batches = 4
+  # ddp/single have no rounds; they evaluate every diloco.inner_steps steps so
+  # their curves line up with DiLoCo's rounds.
+
+  c.log_every_seconds = 5.0
+  return c

@@ -1,0 +1,87 @@
+"""Deterministic, resumable batch streams for islands, and fixed eval batches.
+
+A batch is a pure function of the step number, so resuming a run needs only
+the step: no iterator state is checkpointed.
+"""
+import numpy as np
+
+
+class IslandBatches:
+  """IID batches for `num_islands` islands, disjoint within each epoch.
+
+  Epoch e draws a permutation of all N sequence indices from
+  np.random.default_rng([seed, e]). Island i owns positions i, i + k,
+  i + 2k, ... of it (k = num_islands), truncated to N // k positions so that
+  every island owns the same number, and reads them in order, batch_size per
+  step. An epoch therefore lasts steps_per_epoch = (N // k) // batch_size
+  steps; step s belongs to epoch s // steps_per_epoch. Sequences left over by
+  the truncations wait for a later epoch's permutation.
+  """
+
+  def __init__(self, sequences: np.ndarray, num_islands: int, batch_size: int,
+               seed: int):
+    if sequences.ndim != 2:
+      raise ValueError(
+          f"sequences must be [num_sequences, length], got {sequences.shape}")
+    if num_islands < 1 or batch_size < 1:
+      raise ValueError(f"num_islands ({num_islands}) and batch_size "
+                       f"({batch_size}) must be positive")
+    sequences_per_island = sequences.shape[0] // num_islands
+    if sequences_per_island < batch_size:
+      raise ValueError(
+          f"not enough data: {sequences.shape[0]} sequences give each of "
+          f"{num_islands} islands {sequences_per_island} sequences, fewer than "
+          f"one batch of {batch_size}; need at least "
+          f"{num_islands * batch_size} sequences")
+    self._sequences = sequences
+    self._num_islands = num_islands
+    self._batch_size = batch_size
+    self._seed = seed
+    self._steps_per_epoch = sequences_per_island // batch_size
+    self._cached_epoch = None
+    self._cached_order = None
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """Steps after which every island has read its share of one epoch."""
+    return self._steps_per_epoch
+
+  def batch(self, step: int) -> np.ndarray:
+    """The batches of all islands at `step`: [num_islands, batch_size, L+1]."""
+    if step < 0:
+      raise ValueError(f"step must be non-negative, got {step}")
+    epoch, step_in_epoch = divmod(step, self._steps_per_epoch)
+    order = self._epoch_order(epoch)
+    rows = order[step_in_epoch * self._batch_size:
+                 (step_in_epoch + 1) * self._batch_size]
+    # rows[j, i] is island i's j-th sequence of this step; islands lead.
+    return self._sequences[rows.T].astype(np.int32)
+
+  def _epoch_order(self, epoch: int) -> np.ndarray:
+    """[sequences per island, num_islands]: column i is island i's share."""
+    # Consecutive steps share an epoch; one permutation serves all of them.
+    if epoch != self._cached_epoch:
+      num_sequences = self._sequences.shape[0]
+      permutation = np.random.default_rng([self._seed, epoch]).permutation(
+          num_sequences)
+      per_island = num_sequences // self._num_islands
+      self._cached_order = permutation[:per_island * self._num_islands].reshape(
+          per_island, self._num_islands)
+      self._cached_epoch = epoch
+    return self._cached_order
+
+
+def eval_batches(sequences: np.ndarray, batch_size: int,
+                 num_batches: int) -> np.ndarray:
+  """The first num_batches * batch_size sequences, in order, as int32.
+
+  Returns [num_batches, batch_size, L+1]: a fixed held-out set, identical at
+  every evaluation so that losses are comparable across steps and runs.
+  """
+  needed = num_batches * batch_size
+  if sequences.shape[0] < needed:
+    raise ValueError(
+        f"eval needs {num_batches} batches x {batch_size} = {needed} "
+        f"sequences, but only {sequences.shape[0]} are present")
+  return sequences[:needed].reshape(num_batches, batch_size,
+                                    -1).astype(np.int32)

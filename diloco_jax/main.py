@@ -1,0 +1,70 @@
+r"""Runs one training job: `python -m diloco_jax.main --config=... --workdir=...`.
+
+Examples:
+  python -m diloco_jax.main --config=configs/default.py --workdir=/tmp/run
+  python -m diloco_jax.main --config=configs/tiny.py --workdir=/tmp/t \
+      --config.mode=ddp --config.diloco.islands=2
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file with get_config().",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for metrics.jsonl, summary.json, TensorBoard.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "host:port of process 0, for multi-host runs (jax.distributed).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes in a multi-host run.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index in a multi-host run.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _configure_devices(config) -> None:
+  """Sets up devices; must run before JAX touches a backend.
+
+  On CPU the mesh needs islands x data x stage devices, which XLA provides
+  when asked before initialization. On GPU/TPU this only adds host CPU
+  devices beside the accelerators, which do no harm.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from diloco_jax import validation  # pylint: disable=g-import-not-at-top
+  if "xla_force_host_platform_device_count" not in os.environ.get(
+      "XLA_FLAGS", ""):
+    try:
+      needed = max(int(validation.devices_needed(config)), 1)
+    except (TypeError, ValueError):
+      needed = 1  # validation will name the bad field
+    jax.config.update("jax_num_cpu_devices", needed)
+  if _COORDINATOR.value:
+    jax.distributed.initialize(
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  _configure_devices(config)
+  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  from diloco_jax import validation  # pylint: disable=g-import-not-at-top
+  try:
+    train.train_and_evaluate(config, _WORKDIR.value)
+  except (validation.ConfigError, train.WorkdirError) as e:
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

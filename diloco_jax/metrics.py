@@ -1,0 +1,108 @@
+"""One writer fan-out for metrics: console progress, metrics.jsonl, TensorBoard.
+
+Only process 0 writes, so a multi-host run produces one set of files.
+"""
+
+import json
+import math
+import os
+import time
+
+import jax
+from absl import logging
+
+
+def _is_writer() -> bool:
+  return jax.process_index() == 0
+
+
+def _format_duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def write_json_atomically(path: str, payload: dict) -> None:
+  """Writes JSON to `path` through a temporary file and a rename.
+
+  A reader (or a crash) never sees a half-written file.
+  """
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(payload, f, indent=2, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+class MetricsWriter:
+  """Writes each step's scalars to metrics.jsonl and TensorBoard.
+
+  Also logs a progress line (step/total, round, loss, tokens/s, ETA) at most
+  every `log_every_seconds`, and always for evaluation steps.
+  """
+
+  def __init__(self, workdir: str, total_steps: int,
+               log_every_seconds: float = 5.0):
+    self._total_steps = total_steps
+    self._log_every = log_every_seconds
+    self._last_log = -math.inf
+    self._start = None
+    self._start_tokens = 0
+    self._jsonl = None
+    self._tensorboard = None
+    if _is_writer():
+      # Imported here so that reading metrics (tests, notebooks) does not
+      # need TensorBoard's protobuf stack.
+      from tensorboardX import SummaryWriter
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def start_clock(self, tokens_seen: int = 0) -> None:
+    """Marks the start of timed training (after compilation)."""
+    self._start = time.perf_counter()
+    self._start_tokens = tokens_seen
+
+  def tokens_per_second(self, tokens_seen: int) -> float:
+    elapsed = time.perf_counter() - self._start
+    return (tokens_seen - self._start_tokens) / max(elapsed, 1e-9)
+
+  def write(self, record: dict) -> None:
+    """Writes one step's record (must hold 'step', 'round', 'tokens_seen')."""
+    if self._jsonl is not None:
+      self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self._tensorboard.add_scalar(key, value, record["step"])
+    self._maybe_log(record)
+
+  def _maybe_log(self, record: dict) -> None:
+    now = time.perf_counter()
+    is_eval = "eval_loss" in record
+    if not is_eval and now - self._last_log < self._log_every:
+      return
+    self._last_log = now
+    step = record["step"]
+    rate = self.tokens_per_second(record["tokens_seen"])
+    elapsed = now - self._start
+    done = step / self._total_steps
+    eta = elapsed * (1 - done) / max(done, 1e-9)
+    line = (f"step {step}/{self._total_steps} round {record['round']} "
+            f"loss {record['train_loss']:.4f}")
+    if is_eval:
+      line += f" eval_loss {record['eval_loss']:.4f}"
+      if "eval_bits_per_byte" in record:
+        line += f" eval_bpb {record['eval_bits_per_byte']:.4f}"
+    line += f" tok/s {rate:,.0f} ETA {_format_duration(eta)}"
+    logging.info(line)
+
+  def flush(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.flush()
+      self._tensorboard.flush()
+
+  def close(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._tensorboard.close()
+      self._jsonl = self._tensorboard = None

@@ -1,0 +1,64 @@
+"""Inner and outer optimizers, built from the config with optax.
+
+The inner optimizer is what each island runs for H steps (AdamW with warmup,
+cosine decay and clipping); the outer optimizer consumes the averaged
+pseudo-gradient once per round (Nesterov SGD by default, as in DiLoCo).
+"""
+
+import jax
+import optax
+
+
+def _decay_mask(params):
+  # Weight decay on matrices only: norms' scales have no reason to shrink
+  # toward zero, and decaying them hurts small models noticeably.
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def inner_learning_rate(inner_config, total_steps: int) -> optax.Schedule:
+  """Linear warmup to the peak, then cosine decay to a floor at total_steps."""
+  peak = inner_config.learning_rate
+  warmup = min(inner_config.warmup_steps, max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=peak,
+      warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1),
+      end_value=peak * inner_config.final_learning_rate_fraction,
+  )
+
+
+def inner_optimizer(inner_config, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with warmup + cosine schedule, weight decay and global-norm clipping."""
+  adamw = optax.adamw(
+      learning_rate=inner_learning_rate(inner_config, total_steps),
+      b1=inner_config.b1,
+      b2=inner_config.b2,
+      eps=inner_config.eps,
+      weight_decay=inner_config.weight_decay,
+      mask=_decay_mask,
+  )
+  if inner_config.grad_clip_norm > 0:
+    return optax.chain(
+        optax.clip_by_global_norm(inner_config.grad_clip_norm), adamw)
+  return adamw
+
+
+def outer_optimizer(outer_config) -> optax.GradientTransformation:
+  """The optimizer applied to the averaged pseudo-gradient once per round.
+
+  'nesterov' (DiLoCo's default), 'sgd' (FedAvg when the learning rate is 1),
+  'momentum' (heavy ball) or 'adam' (with its eps; DiLoCo needed eps ~ 0.1).
+  """
+  name = outer_config.name
+  lr = outer_config.learning_rate
+  if name == "nesterov":
+    return optax.sgd(lr, momentum=outer_config.momentum, nesterov=True)
+  if name == "momentum":
+    return optax.sgd(lr, momentum=outer_config.momentum, nesterov=False)
+  if name == "sgd":
+    return optax.sgd(lr)
+  if name == "adam":
+    return optax.adam(lr, b1=outer_config.b1, b2=outer_config.b2,
+                      eps=outer_config.eps)
+  raise ValueError(f"config.diloco.outer_optimizer.name={name!r} is unknown")

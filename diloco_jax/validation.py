@@ -1,0 +1,128 @@
+"""Checks a config before anything is compiled or written.
+
+Each check raises `ConfigError` with one line that names the offending field,
+so a bad flag costs a second rather than a compile, and the workdir is left
+untouched.
+"""
+
+from diloco_jax import config_schema
+from diloco_jax.data import corpus as corpus_lib
+
+
+class ConfigError(ValueError):
+  """An invalid config; the message names the field."""
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+def _positive_int(config, dotted_name: str) -> int:
+  value = config
+  for part in dotted_name.split("."):
+    value = value[part]
+  _require(
+      isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+      f"config.{dotted_name}={value!r} must be an integer >= 1",
+  )
+  return value
+
+
+def effective_islands(config) -> int:
+  """Islands actually used: `single` mode is one worker whatever the config says."""
+  return 1 if config.mode == "single" else config.diloco.islands
+
+
+def devices_needed(config) -> int:
+  """islands x data x stage: the mesh size this config asks for."""
+  return effective_islands(config) * config.mesh.data * config.mesh.stage
+
+
+def validate_config(config, num_devices: int) -> None:
+  """Raises ConfigError naming the first invalid field of `config`.
+
+  Args:
+    config: a config built from `config_schema.base_config()`.
+    num_devices: how many devices the mesh can be built from.
+  """
+  _require(
+      config.mode in config_schema.MODES,
+      f"config.mode={config.mode!r} is not one of {config_schema.MODES}",
+  )
+  for name in ("total_steps", "diloco.islands", "diloco.inner_steps",
+               "mesh.data", "mesh.stage", "data.batch_size",
+               "data.sequence_length", "eval.batch_size", "eval.num_batches",
+               "model.num_layers", "model.d_model", "model.num_heads",
+               "model.head_dim", "model.mlp_dim", "model.vocab_size",
+               "model.max_sequence_length"):
+    _positive_int(config, name)
+
+  needed = devices_needed(config)
+  _require(
+      needed <= num_devices,
+      f"config.diloco.islands x config.mesh.data x config.mesh.stage = "
+      f"{effective_islands(config)} x {config.mesh.data} x {config.mesh.stage}"
+      f" = {needed} devices, but only {num_devices} are available",
+  )
+  _require(
+      config.mesh.stage == 1,
+      f"config.mesh.stage={config.mesh.stage}: pipeline stages are not "
+      "implemented yet; use 1",
+  )
+  _require(
+      config.data.batch_size % config.mesh.data == 0,
+      f"config.data.batch_size={config.data.batch_size} (per island) is not "
+      f"divisible by config.mesh.data={config.mesh.data}",
+  )
+  eval_shards = effective_islands(config) * config.mesh.data
+  _require(
+      config.eval.batch_size % eval_shards == 0,
+      f"config.eval.batch_size={config.eval.batch_size} is not divisible by "
+      f"islands x mesh.data = {eval_shards}",
+  )
+
+  outer = config.diloco.outer_optimizer
+  _require(
+      outer.name in config_schema.OUTER_OPTIMIZERS,
+      f"config.diloco.outer_optimizer.name={outer.name!r} is not one of "
+      f"{config_schema.OUTER_OPTIMIZERS}",
+  )
+  _require(outer.learning_rate > 0,
+           "config.diloco.outer_optimizer.learning_rate must be > 0")
+  _require(0 <= outer.momentum < 1,
+           "config.diloco.outer_optimizer.momentum must be in [0, 1)")
+  inner = config.inner_optimizer
+  _require(
+      inner.name in config_schema.INNER_OPTIMIZERS,
+      f"config.inner_optimizer.name={inner.name!r} is not one of "
+      f"{config_schema.INNER_OPTIMIZERS}",
+  )
+  _require(inner.learning_rate > 0,
+           "config.inner_optimizer.learning_rate must be > 0")
+  _require(inner.warmup_steps >= 0,
+           "config.inner_optimizer.warmup_steps must be >= 0")
+  _require(inner.grad_clip_norm >= 0,
+           "config.inner_optimizer.grad_clip_norm must be >= 0 (0 disables)")
+
+  _require(
+      config.model.dtype in ("float32", "bfloat16"),
+      f"config.model.dtype={config.model.dtype!r} is not 'float32' or "
+      "'bfloat16'",
+  )
+  _require(
+      config.data.sequence_length <= config.model.max_sequence_length,
+      f"config.data.sequence_length={config.data.sequence_length} exceeds "
+      f"config.model.max_sequence_length={config.model.max_sequence_length}",
+  )
+  try:
+    corpus_lib.validate_data_config(config.data)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  corpus_vocab = corpus_lib.corpus_vocab_size(config.data)
+  _require(
+      config.model.vocab_size >= corpus_vocab,
+      f"config.model.vocab_size={config.model.vocab_size} is smaller than the"
+      f" corpus vocabulary ({corpus_vocab} for corpus "
+      f"{config.data.corpus!r})",
+  )

@@ -1,0 +1,25 @@
+"""diloco_jax: low-communication (DiLoCo-family) LM training in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="diloco_jax",
+    version="0.1.0",
+    description=("DiLoCo-family low-communication training of language "
+                 "models across islands of accelerators, in JAX/Flax."),
+    packages=setuptools.find_packages(include=["diloco_jax", "diloco_jax.*"]),
+    python_requires=">=3.11",
+    # Ranges the code is written against; requirements.txt pins the tested set.
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12",
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "chex>=0.1.90",
+        "numpy>=2.0",
+        "tensorboardX>=2.6",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+)

@@ -1,0 +1,43 @@
+"""Small shared builders for the algorithm tests."""
+
+import functools
+
+import jax
+import numpy as np
+
+from diloco_jax import config_schema
+from diloco_jax import model as model_lib
+
+
+def tiny_model_config(vocab_size: int = 33):
+  config = config_schema.base_config().model
+  config.vocab_size = vocab_size
+  config.num_layers = 1
+  config.d_model = 16
+  config.num_heads = 2
+  config.head_dim = 8
+  config.mlp_dim = 32
+  config.max_sequence_length = 16
+  return config
+
+
+def tiny_problem(seed: int = 0, vocab_size: int = 33):
+  """(params, loss_fn) for a one-layer model; loss_fn(params, sequences)."""
+  model_config = tiny_model_config(vocab_size)
+  graphdef, params = model_lib.init_params(model_config, seed)
+  return params, functools.partial(model_lib.next_token_loss, graphdef)
+
+
+def random_batches(num_steps: int, islands: int, batch_size: int,
+                   seq_len: int = 8, vocab_size: int = 33, seed: int = 0):
+  """[num_steps, islands, batch, seq_len + 1] int32 token batches."""
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, vocab_size,
+                      (num_steps, islands, batch_size, seq_len + 1),
+                      dtype=np.int32)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+  jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(
+          np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)

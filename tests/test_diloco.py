@@ -1,0 +1,222 @@
+"""Identities of the DiLoCo algorithm (DESIGN.md §1.1), on forced CPU devices."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from diloco_jax import config_schema
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import optimizers
+from tests import helpers
+
+
+def _setup(islands, data=1, outer=None, seed=0):
+  params, loss_fn = helpers.tiny_problem(seed)
+  params = jax.tree.map(np.array, params)  # host copies survive donation
+  inner_opt = optax.adamw(1e-2, weight_decay=0.1)
+  outer_opt = outer or optax.sgd(0.7, momentum=0.9, nesterov=True)
+  mesh = mesh_lib.build_mesh(islands, data)
+  state = diloco.init_state(params, inner_opt, outer_opt, islands)
+  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  return params, loss_fn, inner_opt, outer_opt, mesh, state
+
+
+def _put_batch(batch, mesh):
+  return jax.device_put(batch, NamedSharding(mesh, diloco.BATCH_SPEC))
+
+
+def _weights(islands, mesh, value=1.0):
+  return jax.device_put(jnp.full((islands,), value, jnp.float32),
+                        NamedSharding(mesh, jax.sharding.PartitionSpec("island")))
+
+
+def _run_diloco(islands, data, rounds, inner_steps, batches, outer=None):
+  _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands, data, outer)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  for r in range(rounds):
+    for h in range(inner_steps):
+      state, _ = inner(state, _put_batch(batches[r * inner_steps + h], mesh))
+    state = outer_step(state, _weights(islands, mesh))
+  return state
+
+
+def test_one_island_one_step_fedavg_is_plain_adamw():
+  """k=1, H=1, outer SGD lr 1 momentum 0: DiLoCo is the inner optimizer."""
+  steps = 6
+  batches = helpers.random_batches(steps, 1, 4)
+  state = _run_diloco(1, 1, rounds=steps, inner_steps=1, batches=batches,
+                      outer=optax.sgd(1.0))
+  params, loss_fn, inner_opt, *_ = _setup(1)
+  opt_state = inner_opt.init(params)
+  plain_step = jax.jit(lambda p, s, b: _plain_step(loss_fn, inner_opt, p, s, b))
+  for b in batches:
+    params, opt_state = plain_step(params, opt_state, b[0])
+  helpers.assert_trees_close(state.global_params, params, rtol=1e-5, atol=1e-6)
+  assert int(state.round) == steps and int(state.step) == steps
+
+
+def _plain_step(loss_fn, opt, params, opt_state, batch):
+  grads = jax.grad(loss_fn)(params, batch)
+  updates, opt_state = opt.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def test_outer_sgd_lr_one_is_parameter_averaging():
+  islands, inner_steps = 4, 3
+  batches = helpers.random_batches(inner_steps, islands, 2)
+  _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=optax.sgd(1.0))
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  for b in batches:
+    state, _ = inner(state, _put_batch(b, mesh))
+  island_params = jax.device_get(state.island_params)
+  expected = jax.tree.map(lambda y: y.mean(axis=0), island_params)
+  # The islands really diverged, so the average is not trivially any one.
+  leaf = jax.tree.leaves(island_params)[0]
+  assert not np.allclose(leaf[0], leaf[1])
+  state = diloco.make_outer_step(optax.sgd(1.0), mesh)(
+      state, _weights(islands, mesh))
+  helpers.assert_trees_close(state.global_params, expected)
+  # Every island restarts from the new global params.
+  for i in range(islands):
+    helpers.assert_trees_close(
+        jax.tree.map(lambda y: y[i], state.island_params), expected)
+
+
+def test_weighted_mean_weights_islands_by_tokens():
+  islands = 2
+  _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=optax.sgd(1.0))
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  state, _ = inner(state, _put_batch(helpers.random_batches(1, islands, 2)[0],
+                                     mesh))
+  y = jax.device_get(state.island_params)
+  weights = jax.device_put(jnp.array([3.0, 1.0]), NamedSharding(
+      mesh, jax.sharding.PartitionSpec("island")))
+  state = diloco.make_outer_step(optax.sgd(1.0), mesh)(state, weights)
+  expected = jax.tree.map(lambda a: 0.75 * a[0] + 0.25 * a[1], y)
+  helpers.assert_trees_close(state.global_params, expected)
+
+
+def test_nesterov_outer_update_matches_optax_reference():
+  islands, inner_steps, rounds = 2, 2, 3
+  batches = helpers.random_batches(rounds * inner_steps, islands, 2)
+  params, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  reference_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  x = jax.tree.map(np.array, params)  # a host copy: the state is donated
+  ref_state = reference_opt.init(x)
+  for r in range(rounds):
+    for h in range(inner_steps):
+      state, _ = inner(state, _put_batch(batches[r * inner_steps + h], mesh))
+    y = jax.device_get(state.island_params)
+    pseudo_grad = jax.tree.map(lambda g, yi: g - yi.mean(axis=0), x, y)
+    updates, ref_state = reference_opt.update(pseudo_grad, ref_state, x)
+    x = optax.apply_updates(x, updates)
+    state = outer_step(state, _weights(islands, mesh))
+    helpers.assert_trees_close(state.global_params, x)
+
+
+@pytest.mark.parametrize("name", config_schema.OUTER_OPTIMIZERS)
+def test_every_outer_optimizer_runs_and_moves_params(name):
+  config = config_schema.base_config().diloco.outer_optimizer
+  config.name = name
+  config.learning_rate = 0.5
+  batches = helpers.random_batches(2, 2, 2)
+  state = _run_diloco(2, 1, rounds=1, inner_steps=2, batches=batches,
+                      outer=optimizers.outer_optimizer(config))
+  params, *_ = _setup(2)
+  moved = jax.tree.leaves(jax.tree.map(
+      lambda a, b: float(jnp.abs(a - b).max()), state.global_params, params))
+  assert max(moved) > 0 and all(np.isfinite(moved))
+
+
+def test_islands_start_identical_and_get_different_batches():
+  islands = 4
+  params, loss_fn, inner_opt, _, mesh, state = _setup(islands)
+  y = jax.device_get(state.island_params)
+  for i in range(islands):
+    helpers.assert_trees_close(jax.tree.map(lambda a: a[i], y), params,
+                               rtol=0, atol=0)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  batch = helpers.random_batches(1, islands, 2)[0]
+  state, metrics = inner(state, _put_batch(batch, mesh))
+  losses = np.asarray(metrics["loss"])
+  assert len(set(np.round(losses, 6))) == islands  # each saw its own data
+  y = jax.tree.leaves(jax.device_get(state.island_params))[0]
+  assert not np.allclose(y[0], y[1])
+
+
+def test_data_parallel_replicas_inside_island_match_one_replica():
+  """(islands=2, data=2) equals (islands=2, data=1) at the same island batch."""
+  batches = helpers.random_batches(4, 2, 4)
+  one = _run_diloco(2, 1, rounds=2, inner_steps=2, batches=batches)
+  two = _run_diloco(2, 2, rounds=2, inner_steps=2, batches=batches)
+  helpers.assert_trees_close(one.global_params, two.global_params,
+                             rtol=2e-5, atol=2e-6)
+  helpers.assert_trees_close(one.inner_opt_state, two.inner_opt_state,
+                             rtol=2e-5, atol=2e-6)
+
+
+def _all_reduce_groups(hlo_text: str):
+  """Replica groups of every all-reduce in an HLO module, as sets of ids."""
+  groups = []
+  for line in hlo_text.splitlines():
+    if " all-reduce(" not in line and " all-reduce-start(" not in line:
+      continue
+    match = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if match:
+      groups.append(frozenset(
+          frozenset(int(i) for i in g.split(","))
+          for g in re.findall(r"\{([\d,]+)\}", match.group(1))))
+    else:
+      match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\]"
+                        r"(?:T\(([\d,]+)\))?", line)
+      assert match, f"cannot parse replica groups in: {line}"
+      groups.append(_iota_groups(*match.groups()))
+  return groups
+
+
+def _iota_groups(num_groups, group_size, dims, transpose):
+  dims = [int(d) for d in dims.split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if transpose:
+    ids = ids.transpose([int(t) for t in transpose.split(",")])
+  ids = ids.reshape(int(num_groups), int(group_size))
+  return frozenset(frozenset(int(i) for i in row) for row in ids)
+
+
+def _device_groups(mesh, axis):
+  """Device-id groups that vary along `axis` only (the collective's groups)."""
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  axis_index = mesh.axis_names.index(axis)
+  moved = np.moveaxis(ids, axis_index, -1).reshape(-1, ids.shape[axis_index])
+  return frozenset(frozenset(int(i) for i in row) for row in moved)
+
+
+def test_outer_step_reduces_across_islands_and_inner_step_does_not():
+  islands, data = 2, 2
+  _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands, data)
+  island_groups = _device_groups(mesh, "island")
+  data_groups = _device_groups(mesh, "data")
+  outer_hlo = diloco.make_outer_step(outer_opt, mesh).lower(
+      state, _weights(islands, mesh)).compile().as_text()
+  assert island_groups in _all_reduce_groups(outer_hlo)
+
+  batch = _put_batch(helpers.random_batches(1, islands, 4)[0], mesh)
+  inner_hlo = diloco.make_inner_step(loss_fn, inner_opt, mesh).lower(
+      state, batch).compile().as_text()
+  inner_groups = _all_reduce_groups(inner_hlo)
+  assert data_groups in inner_groups
+  assert island_groups not in inner_groups  # islands never talk mid-round
+
+  ddp_hlo = diloco.make_inner_step(
+      loss_fn, inner_opt, mesh, sync_gradients_across_islands=True).lower(
+          state, batch).compile().as_text()
+  assert island_groups in _all_reduce_groups(ddp_hlo)
