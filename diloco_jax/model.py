@@ -186,8 +186,14 @@ def init_params(model_config: ml_collections.ConfigDict,
   The model holds only `nnx.Param` variables, so params is its whole state.
   Works under `jax.jit` / `jax.eval_shape` (see `param_shapes`).
   """
-  model = TransformerLM(model_config, rngs=nnx.Rngs(seed))
-  return nnx.split(model, nnx.Param)
+  # Initializing inside one jitted program compiles once; eager init would
+  # compile a random kernel per weight shape (seconds on CPU).
+  graphdef, _ = nnx.split(
+      nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0))),
+      nnx.Param)
+  params = jax.jit(lambda: nnx.split(
+      TransformerLM(model_config, rngs=nnx.Rngs(seed)), nnx.Param)[1])()
+  return graphdef, params
 
 
 def param_shapes(model_config: ml_collections.ConfigDict) -> nnx.State:

@@ -16,7 +16,9 @@ import pytest
 from diloco_jax import flops
 from diloco_jax import model
 
-VOCAB, LAYERS, D_MODEL, HEADS, HEAD_DIM, MLP, SEQ = 256, 2, 32, 2, 16, 64, 16
+# inner width HEADS * HEAD_DIM = 64 differs from D_MODEL = 32 on purpose, and
+# equals MLP so that initialization compiles only two kernel shapes.
+VOCAB, LAYERS, D_MODEL, HEADS, HEAD_DIM, MLP, SEQ = 256, 2, 32, 4, 16, 64, 16
 BATCH = 2
 
 # XLA compiles slowly on the 2-core CPU machines (about 1-5 s per program
@@ -105,34 +107,30 @@ def test_causality(tiny):
   assert np.abs(before[:, t:] - after[:, t:]).max(axis=-1).min() > 1e-4
 
 
-def test_rope_scores_depend_only_on_relative_position():
+def test_rope_is_a_rotation_whose_scores_depend_only_on_offset():
   head_dim = 16
   rng = np.random.default_rng(0)
   q, k = rng.normal(size=(2, head_dim)).astype(np.float32)
 
   @jax.jit
-  def scores(i, j):
-    """<rope(q, i_n), rope(k, j_n)> for each pair n; heads axis of size 1."""
+  def rotate_and_score(i, j):
+    """rope(q, i_n), rope(k, j_n) and their dot products; one head."""
     rq = model.rotary_embedding(jnp.broadcast_to(q, (len(i), 1, head_dim)), i)
     rk = model.rotary_embedding(jnp.broadcast_to(k, (len(j), 1, head_dim)), j)
-    return (rq * rk).sum(axis=(-2, -1))
+    return rq[:, 0], rk[:, 0], (rq * rk).sum(axis=(-2, -1))
 
   pairs = np.array([(5, 2), (2, 5), (7, 7), (100, 37), (0, 0), (3, 0), (0, 3)])
-  base = np.asarray(scores(pairs[:, 0], pairs[:, 1]))
+  rq, rk, scores = rotate_and_score(pairs[:, 0], pairs[:, 1])
   for shift in (1, 13, 900):
-    np.testing.assert_allclose(
-        scores(pairs[:, 0] + shift, pairs[:, 1] + shift), base,
-        rtol=1e-4, atol=1e-4)
-  assert base[4] == pytest.approx(float(q @ k), rel=1e-5)  # identity at 0
-  assert abs(base[5] - base[6]) > 1e-3  # depends on the sign of i - j too
-
-
-def test_rope_is_a_rotation():
-  x = np.random.default_rng(0).normal(size=(2, 9, 3, 8)).astype(np.float32)
-  rotated = np.asarray(model.rotary_embedding(x, np.arange(9)))
-  np.testing.assert_allclose(np.linalg.norm(rotated, axis=-1),
-                             np.linalg.norm(x, axis=-1), rtol=1e-5)
-  np.testing.assert_allclose(rotated[:, 0], x[:, 0], atol=1e-6)
+    shifted = rotate_and_score(pairs[:, 0] + shift, pairs[:, 1] + shift)[2]
+    np.testing.assert_allclose(shifted, scores, rtol=1e-4, atol=1e-4)
+  assert scores[4] == pytest.approx(float(q @ k), rel=1e-5)  # identity at 0
+  assert abs(scores[5] - scores[6]) > 1e-3  # depends on the sign of i - j too
+  # A rotation: norms are kept at every position.
+  np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q),
+                             rtol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(rk, axis=-1), np.linalg.norm(k),
+                             rtol=1e-5)
 
 
 def test_count_params_matches_hand_computation(tiny):
@@ -140,6 +138,21 @@ def test_count_params_matches_hand_computation(tiny):
   assert model.count_params(params) == hand_param_count(cfg)
   assert model.count_non_embedding_params(params, cfg) == (
       hand_param_count(cfg) - VOCAB * D_MODEL)
+
+
+def test_init_scales(tiny):
+  _, _, params = tiny
+  block = params["blocks"][0]
+  variance_times_fan_in = lambda w: np.var(np.asarray(w)) * w.shape[0]
+  # Fan-in init (variance 1 / fan_in) for inputs to a residual branch...
+  for kernel in (block["attn"]["q"]["kernel"], block["mlp"]["gate"]["kernel"]):
+    assert variance_times_fan_in(kernel) == pytest.approx(1.0, rel=0.15)
+  # ...and 1 / (2 * num_layers) of that for the branch outputs.
+  for kernel in (block["attn"]["o"]["kernel"], block["mlp"]["down"]["kernel"]):
+    assert variance_times_fan_in(kernel) == pytest.approx(1 / (2 * LAYERS),
+                                                          rel=0.15)
+  assert np.std(np.asarray(params["embed"]["embedding"])) == pytest.approx(
+      0.02, rel=0.1)
 
 
 def test_untied_head_adds_one_vocab_matrix(tiny):
@@ -170,45 +183,37 @@ def test_initial_loss_is_near_uniform(tie):
   assert abs(float(loss) - math.log(VOCAB)) < 0.25
 
 
-def test_adamw_overfits_one_batch_per_stacked_model(tiny):
-  """Two models stacked on a leading axis, trained under jit(vmap(...)).
+def test_adamw_under_jit_and_vmap_over_stacked_models(tiny):
+  """Two models stacked on a leading axis, each trained on its own batch.
 
-  This is how the training loop runs islands; each model overfits its own
-  fixed batch.
+  This is how the training loop runs islands: params with a leading model
+  axis, one jit(vmap(...)) program. At step 0 each model's loss must equal
+  its un-vmapped loss; after a few AdamW steps each overfits its fixed batch.
   """
   _, graphdef, params0 = tiny
   _, params1 = model.init_params(tiny_config(), seed=1)
-  params = jax.tree.map(lambda a, b: jnp.stack([a, b]), params0, params1)
+  stacked = jax.tree.map(lambda a, b: np.stack([a, b]), params0, params1)
   batches = random_tokens(5, (2, BATCH, SEQ + 1))
   optimizer = optax.adamw(3e-3, weight_decay=0.1)
+  num_steps = 30
 
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(model.next_token_loss, argnums=1)(
-        graphdef, params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  def train_one_model(params, batch):
+    def step(carry, _):
+      params, opt_state = carry
+      loss, grads = jax.value_and_grad(model.next_token_loss, argnums=1)(
+          graphdef, params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
 
-  step = jax.jit(jax.vmap(step))
-  opt_state = jax.vmap(optimizer.init)(params)
-  losses = []
-  for _ in range(30):
-    params, opt_state, loss = step(params, opt_state, batches)
-    losses.append(np.asarray(loss))
-  assert np.all(losses[-1] < losses[0] - 1.0), losses
+    carry = (params, optimizer.init(params))
+    return jax.lax.scan(step, carry, length=num_steps)[1]
 
-
-def test_vmap_over_stacked_models_matches_each_model(tiny):
-  _, graphdef, params0 = tiny
-  _, params1 = model.init_params(tiny_config(), seed=1)
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params0, params1)
-  tokens = random_tokens(6, (2, BATCH, SEQ))  # one batch per model
-
-  logits = jax.jit(jax.vmap(lambda p, t: model.apply(graphdef, p, t)))(
-      stacked, tokens)
-  assert logits.shape == (2, BATCH, SEQ, VOCAB)
-  for i, p in enumerate([params0, params1]):
-    np.testing.assert_allclose(logits[i], _apply(graphdef, p, tokens[i]),
-                               atol=1e-5)
+  losses = np.asarray(jax.jit(jax.vmap(train_one_model))(stacked, batches))
+  assert losses.shape == (2, num_steps)
+  for i, params in enumerate([params0, params1]):
+    assert losses[i, 0] == pytest.approx(
+        float(_loss(graphdef, params, batches[i])), rel=1e-5)
+  assert np.all(losses[:, -1] < losses[:, 0] - 1.0), losses
 
 
 def test_param_shapes_match_init_without_allocating(tiny):

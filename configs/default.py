@@ -1,0 +1,36 @@
+"""The default run: DiLoCo with 4 islands on the embedded corpus (CPU, <10 min).
+
+The corpus is the running interpreter's standard library sources, byte-level,
+so it needs no download. Compare with the baselines on the same budget:
+  --config.mode=single   (one island, a quarter of the compute)
+  --config.mode=ddp      (gradients all-reduced every step, 4x batch)
+"""
+
+from diloco_jax import config_schema
+
+
+def get_config():
+  config = config_schema.base_config()
+  config.mode = "diloco"
+  config.total_steps = 240
+  config.diloco.islands = 4
+  config.diloco.inner_steps = 30
+
+  config.inner_optimizer.learning_rate = 3e-3
+  config.inner_optimizer.warmup_steps = 24
+  config.inner_optimizer.weight_decay = 0.1
+
+  config.model.num_layers = 4
+  config.model.d_model = 128
+  config.model.num_heads = 4
+  config.model.head_dim = 32
+  config.model.mlp_dim = 512
+  config.model.max_sequence_length = 128
+
+  config.data.corpus = "embedded"
+  config.data.sequence_length = 128
+  config.data.batch_size = 16
+
+  config.eval.batch_size = 32
+  config.eval.num_batches = 8
+  return config
