@@ -1,4 +1,4 @@
-"""The default run: DiLoCo with 4 islands on the embedded corpus (CPU, <10 min).
+"""The default run: DiLoCo with 4 islands on the embedded corpus (CPU, ~7 min).
 
 The corpus is the running interpreter's standard library sources, byte-level,
 so it needs no download. Compare with the baselines on the same budget:
@@ -14,7 +14,15 @@ def get_config():
   config.mode = "diloco"
   config.total_steps = 240
   config.diloco.islands = 4
-  config.diloco.inner_steps = 30
+  config.diloco.inner_steps = 10
+  # Outer SGD with lr 1 (parameter averaging), not the paper's Nesterov
+  # (lr 0.7, momentum 0.9): in this short run from scratch (24 rounds of a
+  # 1M-param model), Nesterov's momentum overshoots and ends worse than a
+  # single worker (eval loss 2.372 vs 2.077 at H=30), while averaging beats
+  # it (1.949 at H=10). The paper starts DiLoCo from a pretrained model and
+  # syncs far fewer, smaller deltas. Try it: --config.diloco.outer_optimizer.name=nesterov
+  config.diloco.outer_optimizer.name = "sgd"
+  config.diloco.outer_optimizer.learning_rate = 1.0
 
   config.inner_optimizer.learning_rate = 3e-3
   config.inner_optimizer.warmup_steps = 24
