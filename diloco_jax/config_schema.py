@@ -81,5 +81,12 @@ def base_config() -> ml_collections.ConfigDict:
   # ddp/single have no rounds; they evaluate every diloco.inner_steps steps so
   # their curves line up with DiLoCo's rounds.
 
+  # Checkpoints go to workdir/checkpoints; rerunning the same command resumes.
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_rounds = 1  # save at the end of every N-th round (0: off)
+  c.checkpoint.every_steps = 0  # also save every N inner steps (0: off)
+  c.checkpoint.max_to_keep = 3
+  c.checkpoint.async_save = True
+
   c.log_every_seconds = 5.0
   return c

@@ -183,6 +183,30 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh):
   return jax.jit(outer, donate_argnums=0)
 
 
+def resize_islands(state: TrainState, num_islands: int,
+                   inner_opt: optax.GradientTransformation) -> TrainState:
+  """Changes the number of islands, e.g. when a run restarts on a new fleet.
+
+  Islands that stay keep their params and inner optimizer state; new islands
+  start from the global params with a fresh inner optimizer state; removed
+  islands are dropped with whatever progress they made since the last outer
+  step.
+  """
+  old = jax.tree.leaves(state.island_params)[0].shape[0]
+  kept = min(old, num_islands)
+  added = num_islands - kept
+  take = lambda tree: jax.tree.map(lambda y: y[:kept], tree)
+  params = take(state.island_params)
+  opt_state = take(state.inner_opt_state)
+  if added:
+    new_params = _stack(state.global_params, added)
+    new_opt_state = jax.vmap(inner_opt.init)(new_params)
+    join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
+    params = jax.tree.map(join, params, new_params)
+    opt_state = jax.tree.map(join, opt_state, new_opt_state)
+  return state.replace(island_params=params, inner_opt_state=opt_state)
+
+
 def evaluation_params(state: TrainState, mode: str):
   """The params a run is judged by: x for DiLoCo, island 0's otherwise.
 

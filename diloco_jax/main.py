@@ -57,11 +57,13 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   _configure_devices(config)
+  from diloco_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from diloco_jax import validation  # pylint: disable=g-import-not-at-top
   try:
     train.train_and_evaluate(config, _WORKDIR.value)
-  except (validation.ConfigError, train.WorkdirError) as e:
+  except (validation.ConfigError, train.WorkdirError,
+          checkpointing.IncompatibleCheckpointError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
 

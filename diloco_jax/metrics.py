@@ -106,3 +106,35 @@ class MetricsWriter:
       self._jsonl.close()
       self._tensorboard.close()
       self._jsonl = self._tensorboard = None
+
+
+def truncate_metrics(workdir: str, last_step: int) -> int:
+  """Drops metrics.jsonl records after `last_step`, for a resumed run.
+
+  A run killed after its last checkpoint has logged steps it will take again;
+  dropping them keeps one record per step. A torn last line (killed mid-
+  write) is dropped too. The file is replaced atomically.
+
+  Returns:
+    How many records were dropped.
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not _is_writer() or not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        dropped += 1
+        continue
+      if record.get("step", 0) <= last_step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+      else:
+        dropped += 1
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return dropped

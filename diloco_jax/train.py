@@ -5,9 +5,14 @@ Modes share this loop: every mode takes inner steps on all islands at once;
 gradients across islands inside every inner step; `single` is one island on
 its own. Everything is compiled before the clock starts, and per-step metrics
 are fetched one step late so the host never waits on the device.
+
+Runs are resumable: the state is checkpointed (see checkpointing.py) and
+rerunning the same command in the same workdir continues from the newest
+readable checkpoint, replaying exactly what an uninterrupted run would do.
 """
 
 import functools
+import json
 import math
 import os
 import time
@@ -18,6 +23,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diloco_jax import checkpointing
 from diloco_jax import communication
 from diloco_jax import diloco
 from diloco_jax import flops
@@ -34,16 +40,7 @@ RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
 class WorkdirError(ValueError):
-  """The workdir already holds another run's outputs."""
-
-
-def check_workdir_is_fresh(workdir: str) -> None:
-  """Refuses a workdir that holds another run's metrics, so none are lost."""
-  for name in RUN_FILES:
-    if os.path.exists(os.path.join(workdir, name)):
-      raise WorkdirError(
-          f"--workdir={workdir} already holds {name} from an earlier run; "
-          "choose a new workdir or delete that one")
+  """The workdir holds another run's outputs that cannot be resumed."""
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
@@ -57,6 +54,16 @@ def _round_ends(step: int, inner_steps: int, total_steps: int) -> bool:
   return step % inner_steps == 0 or step == total_steps
 
 
+def _checkpoint_due(step: int, round_ended: bool, rounds_done: int,
+                    total_steps: int, checkpoint_config) -> bool:
+  if step == total_steps:
+    return True
+  every_rounds = checkpoint_config.every_rounds
+  every_steps = checkpoint_config.every_steps
+  return ((round_ended and every_rounds and rounds_done % every_rounds == 0)
+          or bool(every_steps and step % every_steps == 0))
+
+
 def _eval_record(loss: float, byte_level: bool) -> dict:
   record = {"eval_loss": loss,
             "eval_perplexity": math.exp(min(loss, 80.0))}
@@ -65,24 +72,88 @@ def _eval_record(loss: float, byte_level: bool) -> dict:
   return record
 
 
+def _with_shardings(abstract_tree, shardings):
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_tree, shardings)
+
+
+def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
+             islands: int):
+  """Restores the newest readable checkpoint, adapting the island count.
+
+  Returns:
+    (step, meta, state), or None when there is no checkpoint.
+
+  Raises:
+    checkpointing.IncompatibleCheckpointError: the checkpoint was written for
+      a model of another shape (checked before any array is read).
+  """
+  current_shapes = checkpointing.param_shapes_record(
+      abstract_state.global_params)
+  target_shardings = diloco.state_shardings(abstract_state, mesh)
+
+  def restore(step, meta):
+    mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
+                                            current_shapes)
+    if mismatch:
+      raise checkpointing.IncompatibleCheckpointError(
+          f"checkpoint {checkpointer.directory}/{step} was written for another"
+          f" model: {mismatch} (config.model differs)")
+    saved_islands = meta["islands"]
+    if saved_islands == islands:
+      return checkpointer.restore_state(
+          step, _with_shardings(abstract_state, target_shardings))
+    # Read at the saved island count, replicated, then resize and reshard.
+    saved_abstract = jax.eval_shape(
+        lambda s: diloco.resize_islands(s, saved_islands, inner_opt),
+        abstract_state)
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
+                              saved_abstract)
+    saved = checkpointer.restore_state(
+        step, _with_shardings(saved_abstract, replicated))
+    logging.warning(
+        "resuming with %d islands from a checkpoint of %d: %s", islands,
+        saved_islands,
+        f"islands {islands}..{saved_islands - 1} are dropped with their "
+        "progress since the last outer step" if islands < saved_islands else
+        f"islands {saved_islands}..{islands - 1} start from the global params"
+        " with fresh inner optimizer state")
+    return jax.jit(lambda s: diloco.resize_islands(s, islands, inner_opt),
+                   out_shardings=target_shardings)(saved)
+
+  return checkpointer.latest_readable(restore)
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains as `config` says, writing metrics and a summary to `workdir`.
+  """Trains as `config` says, writing metrics, checkpoints and a summary.
+
+  Rerunning with the same workdir resumes from the newest checkpoint; a run
+  that already finished returns its summary.
 
   Returns:
     The summary dict also written to `workdir/summary.json`.
   """
   wall_start = time.perf_counter()
   validation.validate_config(config, num_devices=jax.device_count())
-  check_workdir_is_fresh(workdir)
 
   mode = config.mode
   islands = validation.effective_islands(config)
   inner_steps = config.diloco.inner_steps
   total_steps = config.total_steps
   seq_len = config.data.sequence_length
+  batch_size = config.data.batch_size
+
+  checkpoint_dir = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(checkpoint_dir):
+    for name in RUN_FILES:
+      if os.path.exists(os.path.join(workdir, name)):
+        raise WorkdirError(
+            f"--workdir={workdir} holds {name} but no checkpoints to resume "
+            "from; choose a new workdir or delete that one")
 
   corpus = corpus_lib.build_corpus(config.data)
-  batches = streams.IslandBatches(corpus.train, islands, config.data.batch_size,
+  batches = streams.IslandBatches(corpus.train, islands, batch_size,
                                   seed=config.data.seed)
   eval_set = streams.eval_batches(corpus.validation, config.eval.batch_size,
                                   config.eval.num_batches)
@@ -92,13 +163,37 @@ def train_and_evaluate(config, workdir: str) -> dict:
   loss_fn = functools.partial(model_lib.next_token_loss, graphdef)
   inner_opt = optimizers.inner_optimizer(config.inner_optimizer, total_steps)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
+  init = lambda p: diloco.init_state(p, inner_opt, outer_opt, islands)
+  abstract_state = jax.eval_shape(init, params)
+  state_shardings = diloco.state_shardings(abstract_state, mesh)
 
-  abstract_state = jax.eval_shape(
-      lambda p: diloco.init_state(p, inner_opt, outer_opt, islands), params)
-  state = jax.jit(
-      lambda p: diloco.init_state(p, inner_opt, outer_opt, islands),
-      out_shardings=diloco.state_shardings(abstract_state, mesh))(params)
+  checkpointer = checkpointing.Checkpointer(
+      workdir, max_to_keep=config.checkpoint.max_to_keep,
+      async_save=config.checkpoint.async_save)
+  restored = _restore(checkpointer, config, abstract_state, mesh, inner_opt,
+                      islands)
+  if restored is None:
+    start_step, meta = 0, {}
+    state = jax.jit(init, out_shardings=state_shardings)(params)
+  else:
+    start_step, meta, state = restored
+    if start_step > total_steps:
+      raise validation.ConfigError(
+          f"config.total_steps={total_steps} is before the checkpoint at step "
+          f"{start_step} in {checkpointer.directory}")
+    logging.info("resuming from the checkpoint at step %d", start_step)
   del params
+  summary_path = os.path.join(workdir, "summary.json")
+  if start_step == total_steps and os.path.exists(summary_path):
+    logging.info("the run in %s already finished", workdir)
+    checkpointer.close()
+    with open(summary_path) as f:
+      return json.load(f)
+  dropped = metrics_lib.truncate_metrics(workdir, start_step)
+  if dropped:
+    logging.info("dropped %d metrics records logged after step %d; they are "
+                 "taken again", dropped, start_step)
+  batches_step = meta.get("data", {}).get("step", start_step)
 
   batch_sharding = NamedSharding(mesh, diloco.BATCH_SPEC)
   eval_sharding = NamedSharding(mesh, P((mesh_lib.ISLAND, mesh_lib.DATA)))
@@ -107,11 +202,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   # Compile everything up front so timings exclude compilation.
   compile_start = time.perf_counter()
-  first_batch = _place(batches.batch(0), batch_sharding)
+  next_batch = _place(batches.batch(batches_step), batch_sharding)
   inner_step = diloco.make_inner_step(
       loss_fn, inner_opt, mesh,
       sync_gradients_across_islands=(mode == "ddp")).lower(
-          state, first_batch).compile()
+          state, next_batch).compile()
   outer_step = None
   if mode == "diloco":
     outer_step = diloco.make_outer_step(outer_opt, mesh).lower(
@@ -126,14 +221,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
   sync_bytes = communication.island_mean_bytes(param_shapes, islands)
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
-  tokens_per_step = islands * config.data.batch_size * seq_len
+  tokens_per_island_step = batch_size * seq_len
   learning_rates = np.asarray(jax.vmap(
       optimizers.inner_learning_rate(config.inner_optimizer, total_steps))(
           jnp.arange(total_steps)))
   byte_level = config.data.corpus in BYTE_LEVEL_CORPORA
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
-               mode, islands, inner_steps, f"{num_params:,}", tokens_per_step,
-               sync_bytes / 1e6)
+               mode, islands, inner_steps, f"{num_params:,}",
+               islands * tokens_per_island_step, sync_bytes / 1e6)
 
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
@@ -142,64 +237,88 @@ def train_and_evaluate(config, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(workdir, total_steps,
                                      config.log_every_seconds)
 
-  def comm_bytes_after(step: int, rounds_done: int) -> int:
-    if mode == "diloco":
-      return rounds_done * sync_bytes
-    if mode == "ddp":
-      return step * sync_bytes
-    return 0
+  # Counters carried across restarts (a restart may change the island count).
+  rounds_done = meta.get("rounds_done", 0)
+  tokens_seen = meta.get("tokens_seen", 0)
+  comm_bytes = meta.get("comm_bytes", 0)
+  ddp_comm_bytes = meta.get("ddp_comm_bytes", 0)
+  island_round_steps = np.zeros(islands, np.int64)  # steps since last sync
+  saved_round_steps = meta.get("island_round_steps", [])[:islands]
+  island_round_steps[:len(saved_round_steps)] = saved_round_steps
+  param_shapes_record = checkpointing.param_shapes_record(param_shapes)
 
-  def record_for(step, rounds_done, step_metrics) -> dict:
+  def save(step: int) -> None:
+    writer.flush()  # metrics up to `step` reach the file before the state
+    checkpointer.save(step, state, {
+        "step": step, "rounds_done": rounds_done, "tokens_seen": tokens_seen,
+        "comm_bytes": comm_bytes, "ddp_comm_bytes": ddp_comm_bytes,
+        "island_round_steps": island_round_steps.tolist(),
+        "islands": islands, "data": {"step": batches_step},
+        "param_shapes": param_shapes_record,
+        "config": json.loads(config.to_json_best_effort()),
+    })
+
+  def finish_record(record: dict, step_metrics) -> dict:
     step_metrics = jax.device_get(step_metrics)
-    return {
-        "step": step,
-        "round": math.ceil(step / inner_steps),
-        "train_loss": float(np.mean(step_metrics["loss"])),
-        "grad_norm": float(np.mean(step_metrics["grad_norm"])),
-        "learning_rate": float(learning_rates[step - 1]),
-        "tokens_seen": step * tokens_per_step,
-        "comm_bytes": comm_bytes_after(step, rounds_done),
-        "ddp_comm_bytes": step * sync_bytes,
-    }
+    record["train_loss"] = float(np.mean(step_metrics["loss"]))
+    record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
+    return record
 
-  writer.start_clock()
+  writer.start_clock(tokens_seen)
   train_start = time.perf_counter()
-  pending = None  # the previous step's metrics, fetched one step late
-  rounds_done = 0
-  steps_in_round = 0
+  pending = None  # the previous step's record, finished one step late
   eval_loss = float("nan")
-  next_batch = first_batch
-  for step in range(1, total_steps + 1):
+  for step in range(start_step + 1, total_steps + 1):
     state, step_metrics = inner_step(state, next_batch)
-    steps_in_round += 1
+    batches_step += 1
+    island_round_steps += 1
+    tokens_seen += islands * tokens_per_island_step
+    ddp_comm_bytes += sync_bytes
+    if mode == "ddp":
+      comm_bytes += sync_bytes
     if step < total_steps:  # prepare the next batch while this step runs
-      next_batch = _place(batches.batch(step), batch_sharding)
+      next_batch = _place(batches.batch(batches_step), batch_sharding)
     if pending is not None:
-      writer.write(record_for(*pending))
-    pending = (step, rounds_done, step_metrics)
-    if not _round_ends(step, inner_steps, total_steps):
-      continue
-    if outer_step is not None:
-      # Islands are weighted by the tokens they processed this round.
-      round_weights = _place(
-          np.full(islands, steps_in_round * config.data.batch_size * seq_len,
-                  np.float32), weights_sharding)
-      state = outer_step(state, round_weights)
-    rounds_done += 1
-    steps_in_round = 0
+      writer.write(finish_record(*pending))
+    round_ended = _round_ends(step, inner_steps, total_steps)
+    if round_ended:
+      if outer_step is not None:
+        # Islands are weighted by the tokens they processed this round.
+        weights = island_round_steps * tokens_per_island_step
+        state = outer_step(state, _place(weights.astype(np.float32),
+                                         weights_sharding))
+        comm_bytes += sync_bytes
+      rounds_done += 1
+      island_round_steps[:] = 0
+    record = {
+        "step": step, "round": math.ceil(step / inner_steps),
+        "learning_rate": float(learning_rates[step - 1]),
+        "tokens_seen": tokens_seen, "comm_bytes": comm_bytes,
+        "ddp_comm_bytes": ddp_comm_bytes,
+    }
+    pending = (record, step_metrics)
+    if round_ended:
+      eval_loss = float(np.mean(jax.device_get(
+          [evaluate(state, b) for b in eval_arrays])))
+      record.update(_eval_record(eval_loss, byte_level))
+      writer.write(finish_record(*pending))
+      pending = None
+    if _checkpoint_due(step, round_ended, rounds_done, total_steps,
+                       config.checkpoint):
+      if pending is not None:
+        writer.write(finish_record(*pending))
+        pending = None
+      save(step)
+  if pending is not None:
+    writer.write(finish_record(*pending))
+  if math.isnan(eval_loss):  # resumed from the final checkpoint
     eval_loss = float(np.mean(jax.device_get(
         [evaluate(state, b) for b in eval_arrays])))
-    record = record_for(step, rounds_done, step_metrics)
-    record.update(_eval_record(eval_loss, byte_level))
-    writer.write(record)
-    pending = None
-  if pending is not None:
-    writer.write(record_for(*pending))
   jax.block_until_ready(state)
   train_s = time.perf_counter() - train_start
+  checkpointer.close()
   writer.close()
 
-  tokens_seen = total_steps * tokens_per_step
   summary = {
       "mode": mode,
       "islands": islands,
@@ -209,22 +328,23 @@ def train_and_evaluate(config, workdir: str) -> dict:
       "corpus": config.data.corpus,
       "num_params": num_params,
       "tokens_seen": tokens_seen,
-      "comm_bytes": comm_bytes_after(total_steps, rounds_done),
-      "ddp_comm_bytes": total_steps * sync_bytes,
+      "comm_bytes": comm_bytes,
+      "ddp_comm_bytes": ddp_comm_bytes,
       "compile_s": compile_s,
       "train_s": train_s,
       "wall_s": time.perf_counter() - wall_start,
-      "tokens_per_s": tokens_seen / train_s,
+      "resumed_from_step": start_step,
       "model_flops_per_token": flops_per_token,
-      "model_flops_per_s": flops_per_token * tokens_seen / train_s,
   }
+  trained_tokens = tokens_seen - meta.get("tokens_seen", 0)
+  summary["tokens_per_s"] = trained_tokens / max(train_s, 1e-9)
+  summary["model_flops_per_s"] = flops_per_token * summary["tokens_per_s"]
   summary.update({"final_" + k: v
                   for k, v in _eval_record(eval_loss, byte_level).items()})
   if corpus.entropy_rate is not None:
     summary["corpus_entropy_rate"] = corpus.entropy_rate
   if jax.process_index() == 0:
-    metrics_lib.write_json_atomically(
-        os.path.join(workdir, "summary.json"), summary)
+    metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",
-               eval_loss, summary["tokens_per_s"], summary["comm_bytes"] / 1e6)
+               eval_loss, summary["tokens_per_s"], comm_bytes / 1e6)
   return summary

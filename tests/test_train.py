@@ -104,7 +104,7 @@ def test_main_refuses_a_finished_workdir(tmp_path):
   (workdir / "summary.json").write_text("{}")
   result = _run_main(["--config=configs/tiny.py", f"--workdir={workdir}"])
   assert result.returncode != 0
-  assert "already holds summary.json" in result.stderr
+  assert "holds summary.json but no checkpoints" in result.stderr
   assert (workdir / "summary.json").read_text() == "{}"
 
 

@@ -85,3 +85,52 @@ def eval_batches(sequences: np.ndarray, batch_size: int,
         f"sequences, but only {sequences.shape[0]} are present")
   return sequences[:needed].reshape(num_batches, batch_size,
                                     -1).astype(np.int32)
+
+
+class ClusteredIslandBatches:
+  """Batches for islands that each own their own sequences (non-iid).
+
+  Island i reads only `island_sequences[i]` (its cluster of the corpus): in
+  epoch e (its own epochs; islands' sequence counts differ) it reads the
+  permutation np.random.default_rng([seed, i, e]) of them, batch_size per
+  step. Like IslandBatches, a batch is a pure function of the step.
+  """
+
+  def __init__(self, island_sequences: list[np.ndarray], batch_size: int,
+               seed: int):
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be positive, got {batch_size}")
+    for island, sequences in enumerate(island_sequences):
+      if sequences.shape[0] < batch_size:
+        raise ValueError(
+            f"not enough data: island {island}'s cluster holds "
+            f"{sequences.shape[0]} sequences, fewer than one batch of "
+            f"{batch_size}")
+    self._island_sequences = island_sequences
+    self._batch_size = batch_size
+    self._seed = seed
+    self._orders = {}  # island -> (epoch, permutation) of the last use
+
+  def steps_per_epoch(self, island: int) -> int:
+    """Steps after which `island` has read each of its sequences once."""
+    return self._island_sequences[island].shape[0] // self._batch_size
+
+  def batch(self, step: int) -> np.ndarray:
+    """The batches of all islands at `step`: [num_islands, batch_size, L+1]."""
+    if step < 0:
+      raise ValueError(f"step must be non-negative, got {step}")
+    return np.stack([self._island_batch(island, step)
+                     for island in range(len(self._island_sequences))])
+
+  def _island_batch(self, island: int, step: int) -> np.ndarray:
+    epoch, step_in_epoch = divmod(step, self.steps_per_epoch(island))
+    cached = self._orders.get(island)
+    if cached is None or cached[0] != epoch:
+      permutation = np.random.default_rng([self._seed, island, epoch]
+                                          ).permutation(
+                                              self._island_sequences[island]
+                                              .shape[0])
+      cached = self._orders[island] = (epoch, permutation)
+    rows = cached[1][step_in_epoch * self._batch_size:
+                     (step_in_epoch + 1) * self._batch_size]
+    return self._island_sequences[island][rows].astype(np.int32)

@@ -1,5 +1,14 @@
-"""Byte-level tokenizer: every byte is a token, plus one end-of-sequence id."""
+"""Tokenizers: bytes (the default) and SentencePiece models, plus EOS ids.
+
+`build_tokenizer(config.data)` is the one constructor the pipeline uses:
+config.data.tokenizer = "byte" (default) | "sentencepiece", the latter with
+config.data.tokenizer_path naming a `.model` file (e.g. the T5 C4 vocabulary).
+Token ids are uint16 everywhere in the pipeline, so vocabularies must fit it.
+"""
 import numpy as np
+
+TOKENIZERS = ("byte", "sentencepiece")
+_MAX_VOCAB_SIZE = int(np.iinfo(np.uint16).max) + 1
 
 
 class ByteTokenizer:
@@ -11,6 +20,7 @@ class ByteTokenizer:
 
   eos_id: int = 256
   vocab_size: int = 257
+  name: str = "byte"
 
   def encode(self, text: bytes | str) -> np.ndarray:
     """Returns the token ids (uint16) of `text`; str is encoded as UTF-8."""
@@ -23,3 +33,78 @@ class ByteTokenizer:
     ids = np.asarray(ids).ravel()
     is_byte = (ids >= 0) & (ids < 256)
     return ids[is_byte].astype(np.uint8).tobytes()
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model read from a `.model` file.
+
+  The vocabulary size and EOS id come from the model. A model trained without
+  an EOS piece (eos_id = -1) gets one extra id after its pieces, so documents
+  can still be separated; vocab_size then counts it.
+  """
+
+  def __init__(self, model_path: str):
+    import sentencepiece  # pylint: disable=import-outside-toplevel
+    # Only this path needs the package; byte runs never import it.
+    with open(model_path, "rb") as f:
+      model_proto = f.read()
+    self._processor = sentencepiece.SentencePieceProcessor(
+        model_proto=model_proto)
+    pieces = self._processor.get_piece_size()
+    model_eos = self._processor.eos_id()
+    self.eos_id = model_eos if model_eos >= 0 else pieces
+    self.vocab_size = pieces if model_eos >= 0 else pieces + 1
+    self.name = f"sentencepiece ({model_path})"
+    if self.vocab_size > _MAX_VOCAB_SIZE:
+      raise ValueError(f"vocabulary of {self.vocab_size} ids does not fit "
+                       f"uint16 token ids")
+
+  def encode(self, text: bytes | str) -> np.ndarray:
+    """Returns the piece ids (uint16) of `text`, without BOS or EOS.
+
+    Bytes are decoded as UTF-8; invalid sequences become U+FFFD rather than
+    failing a run on one bad document.
+    """
+    if isinstance(text, bytes):
+      text = text.decode("utf-8", errors="replace")
+    return np.asarray(self._processor.encode(text), dtype=np.uint16)
+
+  def decode(self, ids) -> bytes:
+    """Returns the UTF-8 text of `ids`, dropping EOS and out-of-range ids."""
+    ids = np.asarray(ids).ravel()
+    pieces = self._processor.get_piece_size()
+    keep = (ids >= 0) & (ids < pieces) & (ids != self.eos_id)
+    return self._processor.decode(ids[keep].tolist()).encode("utf-8")
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer
+
+
+def tokenizer_name(data_config) -> str:
+  """config.data.tokenizer, "byte" when the field is absent."""
+  return data_config.get("tokenizer", "byte") or "byte"
+
+
+def build_tokenizer(data_config) -> Tokenizer:
+  """The tokenizer config.data names; ValueError naming the field if bad."""
+  name = tokenizer_name(data_config)
+  if name not in TOKENIZERS:
+    raise ValueError(f"config.data.tokenizer={name!r} is not one of "
+                     f"{', '.join(repr(known) for known in TOKENIZERS)}")
+  if name == "byte":
+    return ByteTokenizer()
+  path = data_config.get("tokenizer_path", "") or ""
+  if not path:
+    raise ValueError("config.data.tokenizer_path is required for "
+                     "config.data.tokenizer='sentencepiece' (a .model file)")
+  try:
+    return SentencePieceTokenizer(path)
+  except ImportError as error:
+    raise ValueError(
+        "config.data.tokenizer='sentencepiece' needs the sentencepiece "
+        "package (pip install sentencepiece)") from error
+  except (OSError, RuntimeError, ValueError) as error:
+    # RuntimeError is what sentencepiece raises for a file that is not a model.
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    raise ValueError(f"config.data.tokenizer_path: cannot load SentencePiece "
+                     f"model {path!r}: {message}") from error

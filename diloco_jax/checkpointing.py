@@ -1,0 +1,114 @@
+"""Checkpoints of the whole run with orbax: every orbax call lives here.
+
+A checkpoint holds the TrainState (global params, outer optimizer state, every
+island's params and inner optimizer state, step, round) and a JSON record of
+what the loop needs to continue exactly: per-island data positions, progress
+inside the current round, the island count, the parameter shapes and the
+config. Saves are asynchronous; orbax finalizes a step only once it is fully
+written, so a process killed mid-save leaves the previous checkpoint intact.
+"""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+STATE = "state"
+META = "meta"
+
+
+def param_shapes_record(params) -> dict:
+  """{'path/to/leaf': [dims]} for the params: compared on restore."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {jax.tree_util.keystr(path): list(np.shape(leaf))
+          for path, leaf in flat}
+
+
+def shape_mismatch(saved: dict, current: dict) -> str | None:
+  """Describes the first difference between two param_shapes_record()s."""
+  for path in sorted(set(saved) | set(current)):
+    if saved.get(path) != current.get(path):
+      return (f"param {path} has shape {saved.get(path)} in the checkpoint "
+              f"but {current.get(path)} in this config")
+  return None
+
+
+class Checkpointer:
+  """Saves and restores the run's state under `workdir/checkpoints`."""
+
+  def __init__(self, workdir: str, max_to_keep: int = 3,
+               async_save: bool = True):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True),
+        item_names=(STATE, META),
+    )
+
+  def steps(self) -> list[int]:
+    """Finalized checkpoint steps, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state, meta: dict) -> None:
+    """Starts saving `state` and `meta` at `step` (returns before it ends)."""
+    self._manager.save(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state),
+        META: ocp.args.JsonSave(meta),
+    }), force=True)
+
+  def read_meta(self, step: int) -> dict:
+    """The JSON record saved with `step` (cheap: no arrays are read)."""
+    return self._manager.restore(step, args=ocp.args.Composite(**{
+        META: ocp.args.JsonRestore()}))[META]
+
+  def restore_state(self, step: int, abstract_state):
+    """Reads the state saved at `step` into `abstract_state`'s shardings.
+
+    Args:
+      abstract_state: a pytree of jax.ShapeDtypeStruct with `.sharding` set,
+        shaped as the checkpoint was written.
+    """
+    return self._manager.restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardRestore(abstract_state)}))[STATE]
+
+  def latest_readable(self, restore_fn):
+    """Restores the newest checkpoint that reads back, falling back on errors.
+
+    Args:
+      restore_fn: called as restore_fn(step, meta); it must raise if the
+        checkpoint cannot be used (a truncated or corrupted file).
+
+    Returns:
+      (step, meta, whatever restore_fn returned), or None without checkpoints.
+    """
+    for step in reversed(self.steps()):
+      try:
+        meta = self.read_meta(step)
+        return step, meta, restore_fn(step, meta)
+      except IncompatibleCheckpointError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        # Truncated or corrupted files surface as many error types (from
+        # tensorstore, msgpack, json); any of them means "not this one".
+        logging.warning(
+            "checkpoint at step %d in %s is unreadable (%s: %s); falling back "
+            "to the previous one", step, self.directory, type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "")
+    return None
+
+  def wait(self) -> None:
+    """Blocks until the last save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+class IncompatibleCheckpointError(ValueError):
+  """A checkpoint written for a different model; the message names the field."""

@@ -1,0 +1,124 @@
+"""C4-format shards on disk: JSON lines with a "text" field, maybe gzipped.
+
+C4's own release (e.g. c4-train.00000-of-01024.json.gz and
+c4-validation.00000-of-00008.json.gz) holds one JSON object per line,
+{"text": ..., "timestamp": ..., "url": ...}. A shard is one file; a document
+is one line, addressed by its line number so that reading can resume there.
+
+For data on Google Cloud Storage, copy the shards to local disk
+(`gsutil -m cp`) or mount the bucket with gcsfuse: shards are read with plain
+file I/O, and gzip files are read from their start.
+"""
+from collections.abc import Iterator
+import gzip
+import json
+import pathlib
+
+from diloco_jax.data import file_split
+from diloco_jax.data import text_files
+
+SHARD_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# C4 names its held-out files "c4-validation.*": such names pick the split.
+VALIDATION_MARKER = "validation"
+
+
+def is_shard(relative_path: str) -> bool:
+  """Whether a file name looks like a JSON-lines shard (maybe gzipped)."""
+  return relative_path.endswith(SHARD_SUFFIXES)
+
+
+def list_shards(path: str) -> list[pathlib.Path]:
+  """The JSON-lines shards under a directory or glob, sorted by path."""
+  root, relative_paths = text_files.resolve_text_files(path)
+  return [root / name for name in relative_paths if is_shard(name)]
+
+
+def shards_problem(path: str) -> str | None:
+  """Why `path` names no shards, or None; reads no shard."""
+  problem = text_files.path_problem(path)
+  if problem:
+    return problem
+  if not list_shards(path):
+    return (f"no C4 shards ({', '.join(SHARD_SUFFIXES)}) found at {path!r}")
+  return None
+
+
+def split_shards(path: str, validation_fraction: float
+                 ) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+  """(train, validation) shards, each sorted by path.
+
+  Files whose names contain "validation" are the validation split when any
+  exist (C4's naming). Otherwise files are held out by the crc32 rule of
+  file_split, keeping both splits non-empty. A single file cannot be split by
+  file and is refused (ValueError).
+  """
+  root, relative_paths = text_files.resolve_text_files(path)
+  relative_paths = [name for name in relative_paths if is_shard(name)]
+  by_name = [VALIDATION_MARKER in pathlib.PurePosixPath(name).name
+             for name in relative_paths]
+  if any(by_name):
+    is_validation = by_name
+  elif len(relative_paths) < 2:
+    raise ValueError(
+        f"config.data.path: {len(relative_paths)} C4 shard(s) at {path!r} and "
+        f"none named '*{VALIDATION_MARKER}*'; the split is by file, so give "
+        f"at least two shards or a validation shard")
+  else:
+    is_validation = [False] * len(relative_paths)
+    for index in file_split.select_split(relative_paths, "validation",
+                                         validation_fraction):
+      is_validation[index] = True
+    if all(is_validation) or not any(is_validation):
+      # The hash put every file on one side; keep both splits non-empty.
+      is_validation = [False] * len(relative_paths)
+      is_validation[-1] = True
+  train = [root / name for name, held_out in zip(relative_paths, is_validation)
+           if not held_out]
+  validation = [root / name
+                for name, held_out in zip(relative_paths, is_validation)
+                if held_out]
+  return train, validation
+
+
+def _open_text(path: pathlib.Path):
+  if path.name.endswith(".gz"):
+    return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+  return open(path, "rt", encoding="utf-8", errors="replace")
+
+
+def read_texts(path: pathlib.Path, start_line: int = 0
+               ) -> Iterator[tuple[int, str]]:
+  """Yields (line number, text) for each document at or after `start_line`.
+
+  Blank lines and empty texts are skipped (they would only add stray EOS
+  tokens) but still counted, so line numbers are positions in the file.
+  """
+  with _open_text(path) as lines:
+    for line_number, line in enumerate(lines):
+      if line_number < start_line or not line.strip():
+        continue
+      try:
+        text = json.loads(line)["text"]
+      except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}:{line_number + 1}: not a JSON object with "
+                         f"a 'text' field ({error})") from error
+      if text:
+        yield line_number, text
+
+
+class ShardFiles:
+  """C4 JSON-lines shards as the document collection of a stream.
+
+  Shard i is the i-th file; a document's offset is its line number.
+  """
+
+  def __init__(self, paths: list[pathlib.Path]):
+    self.paths = list(paths)
+
+  @property
+  def num_shards(self) -> int:
+    return len(self.paths)
+
+  def read(self, shard: int, start: int = 0) -> Iterator[tuple[int, str]]:
+    """(offset, text) of shard `shard`'s documents from offset `start`."""
+    return read_texts(self.paths[shard], start)

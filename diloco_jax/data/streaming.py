@@ -1,0 +1,284 @@
+"""Streaming, resumable island batches over sharded corpora too big for memory.
+
+A document collection (C4 JSON shards, a TFDS split cut into virtual shards)
+is read shard by shard; documents are tokenized, each followed by EOS, and the
+token stream is cut into sequences of sequence_length + 1 tokens, batch_size
+per island per step.
+
+Which shards an island reads:
+- "iid": island i owns the shards with index % num_islands == i, disjoint
+  from every other island's.
+- "clustered": every island scans every shard and keeps the documents whose
+  nearest centroid is its own (centroids fitted by `fit_centroids` on a
+  sample from the first shards). Each island reads the whole corpus, so
+  reading costs num_islands times as much as iid; the clusters are disjoint.
+Each island visits its shards in a seeded order, new every epoch:
+np.random.default_rng([seed, island, epoch]).permutation.
+
+Resuming: an island's state is the position of the first token it has not
+yet emitted: (epoch, shard_position, offset of the document inside the
+shard, token_offset inside that document's tokens + EOS). Restoring re-reads
+that document and drops the tokens before token_offset, which reproduces the
+uninterrupted stream exactly and keeps the state a few integers (the packed
+tokens left over are recomputed, not stored). Restoring a gzip shard reads it
+from its start up to the offset.
+"""
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from diloco_jax.data import clustering
+from diloco_jax.data import packing
+
+ISLAND_SPLITS = ("iid", "clustered")
+_STATE_KEYS = ("epoch", "shard_position", "offset", "token_offset")
+
+
+class DocumentShards(Protocol):
+  """Documents in shards; a document is addressed by (shard, offset)."""
+
+  @property
+  def num_shards(self) -> int:
+    ...
+
+  def read(self, shard: int, start: int = 0) -> Iterator[tuple[int, str]]:
+    """Yields (offset, text) for the shard's documents at offsets >= start."""
+    ...
+
+
+class Tokenizer(Protocol):
+  eos_id: int
+
+  def encode(self, text: bytes | str) -> np.ndarray:
+    ...
+
+
+class _IslandStream:
+  """One island's endless token stream over its shards, with its position."""
+
+  def __init__(self, documents: DocumentShards, shards: Sequence[int],
+               island: int, seed: int, tokenizer: Tokenizer,
+               keep: Callable[[str], bool] | None):
+    self._documents = documents
+    self._shards = np.asarray(shards, dtype=np.int64)
+    self._island = island
+    self._seed = seed
+    self._tokenizer = tokenizer
+    self._keep = keep
+    self.restore({key: 0 for key in _STATE_KEYS})
+
+  def _shard_order(self, epoch: int) -> np.ndarray:
+    rng = np.random.default_rng([self._seed, self._island, epoch])
+    return self._shards[rng.permutation(self._shards.size)]
+
+  def _documents_from(self, epoch: int, shard_position: int, offset: int):
+    """Yields (epoch, shard_position, offset, tokens + EOS) forever."""
+    while True:
+      found_any = False
+      order = self._shard_order(epoch)
+      for position in range(shard_position, order.size):
+        for doc_offset, text in self._documents.read(int(order[position]),
+                                                     offset):
+          if self._keep is not None and not self._keep(text):
+            continue
+          found_any = True
+          tokens = np.append(self._tokenizer.encode(text),
+                             np.uint16(self._tokenizer.eos_id))
+          yield epoch, position, doc_offset, tokens.astype(np.uint16)
+        offset = 0
+      if not found_any and shard_position == 0:
+        # A whole epoch without a document would loop forever.
+        raise ValueError(
+            f"config.data: island {self._island} found no documents in its "
+            f"{self._shards.size} shard(s)")
+      epoch, shard_position = epoch + 1, 0
+
+  def take(self, count: int) -> np.ndarray:
+    """The next `count` tokens of the stream, [count] uint16."""
+    pieces = []
+    while count > 0:
+      if self._cursor >= self._tokens.size:
+        (self._epoch, self._shard_position, self._offset,
+         self._tokens) = next(self._stream)
+        # The first document after a restore is the one the state points
+        # into; its first token_offset tokens were emitted before.
+        self._cursor = (self._restored["token_offset"]
+                        if self._just_restored else 0)
+        self._just_restored = False
+        continue
+      piece = self._tokens[self._cursor:self._cursor + count]
+      self._cursor += piece.size
+      count -= piece.size
+      pieces.append(piece)
+    return np.concatenate(pieces) if pieces else np.empty(0, np.uint16)
+
+  def state(self) -> dict:
+    """The position of the next token, as plain ints."""
+    if self._just_restored:  # nothing read since: that position holds
+      return dict(self._restored)
+    return {"epoch": self._epoch, "shard_position": self._shard_position,
+            "offset": self._offset, "token_offset": self._cursor}
+
+  def restore(self, state: dict) -> None:
+    """Continues from a position `state()` returned."""
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+      raise ValueError(f"data state lacks {', '.join(missing)}")
+    values = {key: int(state[key]) for key in _STATE_KEYS}
+    if values["shard_position"] >= max(self._shards.size, 1):
+      raise ValueError(f"data state shard_position {values['shard_position']}"
+                       f" is beyond island {self._island}'s "
+                       f"{self._shards.size} shards")
+    self._restored = values
+    self._stream = self._documents_from(values["epoch"],
+                                        values["shard_position"],
+                                        values["offset"])
+    self._epoch, self._shard_position = values["epoch"], values[
+        "shard_position"]
+    self._offset, self._cursor = values["offset"], 0
+    self._tokens = np.empty(0, np.uint16)
+    self._just_restored = True
+
+
+class StreamingIslandBatches:
+  """Batches [num_islands, batch_size, sequence_length + 1] from a stream.
+
+  Implements the batch-source protocol of `sources`: next_batch, state,
+  restore, island_token_weights.
+  """
+
+  def __init__(self, documents: DocumentShards, num_islands: int,
+               batch_size: int, sequence_length: int, tokenizer: Tokenizer,
+               seed: int, centroids: np.ndarray | None = None,
+               token_weights: np.ndarray | None = None):
+    if num_islands < 1 or batch_size < 1:
+      raise ValueError(f"num_islands ({num_islands}) and batch_size "
+                       f"({batch_size}) must be positive")
+    self._num_islands = num_islands
+    self._batch_size = batch_size
+    self._chunk_length = sequence_length + 1
+    if centroids is None:
+      if documents.num_shards < num_islands:
+        raise ValueError(
+            f"config.data.path: {documents.num_shards} train shard(s) for "
+            f"{num_islands} islands; island_split 'iid' gives each island its "
+            f"own shards, so at least {num_islands} are needed")
+      owned = [range(island, documents.num_shards, num_islands)
+               for island in range(num_islands)]
+      keeps = [None] * num_islands
+    else:
+      owned = [range(documents.num_shards)] * num_islands
+      keeps = [_cluster_filter(centroids, island)
+               for island in range(num_islands)]
+    self._islands = [
+        _IslandStream(documents, owned[island], island, seed, tokenizer,
+                      keeps[island]) for island in range(num_islands)]
+    if token_weights is None:
+      # iid shards are statistically alike and every island reads the same
+      # number of tokens per step: equal weights.
+      token_weights = np.full(num_islands, 1.0 / num_islands)
+    self._token_weights = np.asarray(token_weights, dtype=np.float64)
+
+  def next_batch(self) -> np.ndarray:
+    """The next batch of every island, int32."""
+    per_island = self._batch_size * self._chunk_length
+    return np.stack([
+        island.take(per_island).reshape(self._batch_size, self._chunk_length)
+        for island in self._islands]).astype(np.int32)
+
+  def state(self) -> dict:
+    """JSON-serializable: {"islands": [position of each island]}."""
+    return {"islands": [island.state() for island in self._islands]}
+
+  def restore(self, state: dict) -> None:
+    """Continues exactly where the source that returned `state` was."""
+    islands = state.get("islands") if isinstance(state, dict) else None
+    if not isinstance(islands, list) or len(islands) != self._num_islands:
+      raise ValueError(
+          f"data state holds {len(islands) if isinstance(islands, list) else 0}"
+          f" island positions, expected {self._num_islands} (was the number "
+          f"of islands changed?)")
+    for island, island_state in zip(self._islands, islands):
+      island.restore(island_state)
+
+  def island_token_weights(self) -> np.ndarray:
+    """[num_islands] float64 summing to 1: each island's share of tokens.
+
+    iid: 1 / num_islands. clustered: each cluster's share of the tokens of
+    the sample the centroids were fitted on (an estimate of its share of the
+    corpus).
+    """
+    return self._token_weights.copy()
+
+
+def _cluster_filter(centroids: np.ndarray, island: int
+                    ) -> Callable[[str], bool]:
+  def keep(text: str) -> bool:
+    features = clustering.hashed_ngram_features(
+        [text.encode("utf-8")], num_buckets=centroids.shape[1])
+    return int(clustering.assign(features, centroids)[0]) == island
+  return keep
+
+
+def fit_centroids(documents: DocumentShards, num_islands: int, seed: int,
+                  tokenizer: Tokenizer, sample_documents: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """k-means centroids from the first documents, and each cluster's share.
+
+  The sample is the first `sample_documents` documents of the shards in
+  index order (shard 0 first): fixed, so every restart fits the same
+  centroids. Returns (centroids [k, buckets], token shares [k] summing to 1).
+  """
+  texts = []
+  for shard in range(documents.num_shards):
+    for _, text in documents.read(shard):
+      texts.append(text)
+      if len(texts) == sample_documents:
+        break
+    if len(texts) == sample_documents:
+      break
+  if len(texts) < num_islands:
+    raise ValueError(
+        f"config.data.island_split='clustered': the train shards hold "
+        f"{len(texts)} documents, fewer than {num_islands} islands")
+  encoded = [text.encode("utf-8") for text in texts]
+  features = clustering.hashed_ngram_features(encoded)
+  centroids = clustering.kmeans(features, num_islands, seed)
+  labels = clustering.assign(features, centroids)
+  token_counts = np.zeros(num_islands)
+  for label, text in zip(labels, texts):
+    token_counts[label] += tokenizer.encode(text).size + 1  # + EOS
+  empty = np.flatnonzero(token_counts == 0)
+  if empty.size:
+    raise ValueError(
+        f"config.data.island_split='clustered': clusters "
+        f"{empty.tolist()} got no document of the {len(texts)}-document "
+        f"sample; the corpus has fewer than {num_islands} distinct kinds")
+  return centroids, token_counts / token_counts.sum()
+
+
+def eval_sequences(documents: DocumentShards, tokenizer: Tokenizer,
+                   sequence_length: int, num_sequences: int) -> np.ndarray:
+  """The first `num_sequences` packed sequences of the shards, in order.
+
+  Reads shard 0, 1, ... only as far as needed; [num_sequences, L+1] uint16.
+  """
+  needed_tokens = num_sequences * (sequence_length + 1)
+  pieces, total = [], 0
+  for shard in range(documents.num_shards):
+    for _, text in documents.read(shard):
+      tokens = tokenizer.encode(text)
+      pieces.append(tokens)
+      total += tokens.size + 1
+      if total >= needed_tokens:
+        break
+    if total >= needed_tokens:
+      break
+  packed = packing.pack_documents(pieces, tokenizer.eos_id, sequence_length)
+  if packed.shape[0] < num_sequences:
+    raise ValueError(
+        f"config.eval: eval needs {num_sequences} sequences of "
+        f"{sequence_length + 1} tokens, but the validation split holds only "
+        f"{packed.shape[0]}")
+  return packed[:num_sequences]
