@@ -9,6 +9,7 @@ written, so a process killed mid-save leaves the previous checkpoint intact.
 """
 
 import os
+import time
 
 import jax
 import numpy as np
@@ -86,20 +87,39 @@ class Checkpointer:
     Returns:
       (step, meta, whatever restore_fn returned), or None without checkpoints.
     """
-    for step in reversed(self.steps()):
-      try:
-        meta = self.read_meta(step)
-        return step, meta, restore_fn(step, meta)
-      except IncompatibleCheckpointError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        # Truncated or corrupted files surface as many error types (from
-        # tensorstore, msgpack, json); any of them means "not this one".
-        logging.warning(
-            "checkpoint at step %d in %s is unreadable (%s: %s); falling back "
-            "to the previous one", step, self.directory, type(e).__name__,
-            str(e).splitlines()[0][:200] if str(e) else "")
-    return None
+    unreadable = []
+    try:
+      for step in reversed(self.steps()):
+        try:
+          meta = self.read_meta(step)
+          return step, meta, restore_fn(step, meta)
+        except IncompatibleCheckpointError:
+          raise
+        except Exception as e:  # pylint: disable=broad-except
+          # Truncated or corrupted files surface as many error types (from
+          # tensorstore, msgpack, json); any of them means "not this one".
+          unreadable.append(step)
+          logging.warning(
+              "checkpoint at step %d in %s is unreadable (%s: %s); falling "
+              "back to the previous one", step, self.directory,
+              type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+      return None
+    finally:
+      self._set_aside(unreadable)
+
+  def _set_aside(self, steps) -> None:
+    """Moves unreadable checkpoints out of the way, keeping them to inspect.
+
+    The run will write those steps again; orbax refuses to overwrite them.
+    """
+    if not steps:
+      return
+    aside = self.directory + ".unreadable"
+    os.makedirs(aside, exist_ok=True)
+    for step in steps:
+      os.replace(os.path.join(self.directory, str(step)),
+                 os.path.join(aside, f"{step}.{int(time.time())}"))
+    self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until the last save is on disk."""

@@ -327,7 +327,8 @@ def test_build_text_files_keeps_both_splits_non_empty(tmp_path):
     ({"corpus": "text_files", "path": "/nonexistent/file.txt"},
      r"config\.data\.path: '/nonexistent/file.txt' does not exist"),
     ({"corpus": "c4"}, r"config\.data\.path is required for corpus 'c4'"),
-    ({"corpus": "c4", "path": "/tmp"}, r"needs the C4 loader"),
+    ({"corpus": "c4", "path": "/nonexistent/c4"},
+     r"config\.data\.path: '/nonexistent/c4' does not exist"),
     ({"sequence_length": 0}, r"config\.data\.sequence_length must be"),
     ({"validation_fraction": 1.5}, r"config\.data\.validation_fraction"),
 ])

@@ -1,12 +1,19 @@
 """Host-side data pipeline: corpora, tokenization, packing and island streams.
 
 Modules, one concern each:
-- tokenizer: bytes <-> token ids (ByteTokenizer).
+- sources: the batch-source protocol the training loop uses
+  (`make_batch_source`, `make_eval_batches`), for every corpus.
+- tokenizer: bytes or a SentencePiece model <-> token ids (`build_tokenizer`).
 - embedded: the default, network-free corpus (the Python standard library).
 - synthetic: a Markov-chain corpus with a known entropy rate, for tests.
 - file_split: the deterministic train/validation split by file name.
 - text_files: resolving `config.data.path` to a sorted list of files.
+- c4_files: C4's JSON-lines shards (.json/.jsonl, maybe gzipped) and split.
+- tfds_documents: a TFDS split (e.g. "c4/en") read as virtual shards.
 - packing: documents -> fixed-length sequences separated by EOS.
-- streams: deterministic, resumable per-island batches and eval batches.
-- corpus: `build_corpus(config.data)` and `validate_data_config`.
+- streams: step-indexed island batches (iid and clustered), eval batches.
+- streaming: resumable island batches streamed from sharded documents.
+- clustering: hashed n-gram features and k-means, for non-iid islands.
+- corpus: in-memory corpora (`build_corpus`, `build_island_sequences`) and
+  `validate_data_config`.
 """

@@ -60,7 +60,8 @@ def hashed_ngram_features(documents: Sequence[bytes | np.ndarray],
 def _squared_distances(features: np.ndarray,
                        centroids: np.ndarray) -> np.ndarray:
   """[num_points, k] squared Euclidean distances, clipped at zero."""
-  distances = ((features * features).sum(1)[:, None] - 2 * features @ centroids.T
+  distances = ((features * features).sum(1)[:, None]
+               - 2 * features @ centroids.T
                + (centroids * centroids).sum(1)[None, :])
   return np.maximum(distances, 0.0)
 

@@ -1,23 +1,29 @@
 """Building a packed, split corpus from `config.data`.
 
-`build_corpus` is the one entry point the training loop needs; it returns
-train and validation sequences ready for `streams`. `validate_data_config`
+`build_corpus` returns the train and validation sequences of an in-memory
+corpus; `build_island_sequences` splits the train documents into clusters,
+one per island, for non-iid training (DESIGN 1.7). `validate_data_config`
 checks a config cheaply so that bad input fails at startup, in one line that
-names the field.
+names the field. The "c4" corpus is streamed instead (see `sources`).
 """
 import dataclasses
 import sys
 
 import numpy as np
 
+from diloco_jax.data import c4_files
+from diloco_jax.data import clustering
 from diloco_jax.data import embedded
 from diloco_jax.data import file_split
 from diloco_jax.data import packing
+from diloco_jax.data import streaming
 from diloco_jax.data import synthetic
 from diloco_jax.data import text_files
+from diloco_jax.data import tfds_documents
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 CORPORA = ("embedded", "synthetic", "text_files", "c4")
+STREAMED_CORPORA = ("c4",)
 
 # Distinct seed streams for the synthetic chain's matrix and its validation
 # documents; train documents use the plain seed. Tags are non-zero because
@@ -42,38 +48,106 @@ class Corpus:
   entropy_rate: float | None = None
 
 
-def build_corpus(data_config) -> Corpus:
-  """Builds the corpus that `data_config` (config.data) names.
+@dataclasses.dataclass(frozen=True)
+class _Documents:
+  """A corpus before packing.
 
-  Corpora: "embedded" (the Python stdlib sources, byte tokens), "synthetic"
-  (a Markov chain with a known entropy rate) and "text_files" (files under
-  config.data.path, byte tokens).
+  Documents are bytes (text, tokenized by config.data.tokenizer) or uint16
+  token arrays (synthetic, tokenized already). validation None means "hold
+  out the last sequences of train" (a corpus of one file).
+  """
+  train: list
+  validation: list | None
+  name: str
+  vocab_size: int | None = None  # set when the documents are token ids
+  eos_id: int | None = None
+  entropy_rate: float | None = None
+
+
+def build_corpus(data_config) -> Corpus:
+  """Builds the in-memory corpus that `data_config` (config.data) names.
+
+  Corpora: "embedded" (the Python stdlib sources), "synthetic" (a Markov
+  chain with a known entropy rate) and "text_files" (files under
+  config.data.path); text is tokenized by config.data.tokenizer.
   """
   validate_data_config(data_config)
-  builders = {
-      "embedded": _build_embedded,
-      "synthetic": _build_synthetic,
-      "text_files": _build_text_files,
-  }
-  corpus = builders[data_config.corpus](data_config)
+  _refuse_streamed(data_config)
+  documents = _read_documents(data_config)
+  encode, vocab_size, eos_id = _encoder(data_config, documents)
+  sequence_length = data_config.sequence_length
+  train = packing.pack_documents(map(encode, documents.train), eos_id,
+                                 sequence_length)
+  if documents.validation is None:
+    # One file cannot be split by file: its last sequences become validation.
+    num_validation = max(1, round(data_config.validation_fraction *
+                                  train.shape[0]))
+    train, validation = train[:-num_validation], train[-num_validation:]
+  else:
+    validation = packing.pack_documents(map(encode, documents.validation),
+                                        eos_id, sequence_length)
+  corpus = Corpus(train=train, validation=validation, vocab_size=vocab_size,
+                  eos_id=eos_id, name=documents.name,
+                  entropy_rate=documents.entropy_rate)
   for split in ("train", "validation"):
     if getattr(corpus, split).shape[0] == 0:
       raise ValueError(
           f"config.data: the {split} split of corpus {corpus.name!r} holds "
-          f"fewer than sequence_length + 1 = {data_config.sequence_length + 1} "
-          f"tokens")
+          f"fewer than sequence_length + 1 = {sequence_length + 1} tokens")
   return corpus
 
 
+def build_island_sequences(data_config, num_islands: int, seed: int
+                           ) -> list[np.ndarray]:
+  """The train split clustered into `num_islands` disjoint parts, packed.
+
+  Train documents are clustered on hashed byte (or, for synthetic, token)
+  n-gram features with k-means (k = num_islands, seeded by `seed`); island
+  i's documents are packed, in corpus order, into its own sequences. Returns
+  one [num_sequences_i, L+1] uint16 array per island.
+  """
+  validate_data_config(data_config)
+  _refuse_streamed(data_config)
+  documents = _read_documents(data_config)
+  if documents.validation is None:
+    raise ValueError(
+        "config.data.island_split='clustered' needs a corpus of several "
+        "documents; config.data.path names a single file")
+  if len(documents.train) < num_islands:
+    raise ValueError(
+        f"config.data.island_split='clustered': {len(documents.train)} train "
+        f"documents cannot form {num_islands} clusters")
+  labels = clustering.cluster_documents(documents.train, num_islands, seed)
+  encode, _, eos_id = _encoder(data_config, documents)
+  return [
+      packing.pack_documents(
+          (encode(document)
+           for document, label in zip(documents.train, labels)
+           if label == island), eos_id, data_config.sequence_length)
+      for island in range(num_islands)]
+
+
 def corpus_vocab_size(data_config) -> int:
-  """The token vocabulary `data_config` implies, known without reading data."""
+  """The token vocabulary `data_config` implies, known without reading data.
+
+  The synthetic corpus has its own symbols; every other corpus has the
+  tokenizer's vocabulary (a SentencePiece model file is read for it).
+  """
   if data_config.corpus == "synthetic":
     return data_config.synthetic.vocab_size + 1  # + EOS
-  return tokenizer_lib.ByteTokenizer.vocab_size
+  return tokenizer_lib.build_tokenizer(data_config).vocab_size
+
+
+def island_split(data_config) -> str:
+  """config.data.island_split, "iid" when the field is absent."""
+  return data_config.get("island_split", "iid") or "iid"
 
 
 def validate_data_config(data_config) -> None:
-  """Raises ValueError naming the bad field; reads no corpus."""
+  """Raises ValueError naming the bad field; reads no corpus.
+
+  A SentencePiece model file is loaded (it is small) to check it.
+  """
   corpus = _field(data_config, "corpus")
   if corpus not in CORPORA:
     raise ValueError(f"config.data.corpus={corpus!r} is not one of "
@@ -84,6 +158,11 @@ def validate_data_config(data_config) -> None:
   if not 0 < fraction < 1:
     raise ValueError(f"config.data.validation_fraction must be in (0, 1), "
                      f"got {fraction!r}")
+  split = island_split(data_config)
+  if split not in streaming.ISLAND_SPLITS:
+    raise ValueError(
+        f"config.data.island_split={split!r} is not one of "
+        f"{', '.join(repr(name) for name in streaming.ISLAND_SPLITS)}")
   if corpus == "text_files":
     path = data_config.get("path") or ""
     if not path:
@@ -93,13 +172,45 @@ def validate_data_config(data_config) -> None:
       raise ValueError(f"config.data.path: {problem}")
   elif corpus == "synthetic":
     _validate_synthetic(data_config)
-  elif corpus == "c4":
-    if not data_config.get("path"):
+    if tokenizer_lib.tokenizer_name(data_config) != "byte":
       raise ValueError(
-          "config.data.path is required for corpus 'c4' (a directory of C4 "
-          "JSONL shards or a TFDS data_dir)")
+          "config.data.tokenizer: the synthetic corpus is made of token ids "
+          "already; leave the tokenizer at 'byte'")
+  elif corpus == "c4":
+    _validate_c4(data_config)
+  if corpus != "synthetic":
+    tokenizer_lib.build_tokenizer(data_config)
+
+
+def _validate_c4(data_config) -> None:
+  tfds_name = data_config.get("tfds_name", "") or ""
+  path = data_config.get("path") or ""
+  if tfds_name:
+    # path is the TFDS data_dir; empty means TFDS's default directory.
+    if not tfds_documents.tfds_available():
+      raise ValueError(
+          f"config.data.tfds_name={tfds_name!r} needs tensorflow-datasets "
+          f"(pip install tensorflow-datasets)")
+    return
+  if not path:
     raise ValueError(
-        "config.data.corpus='c4' needs the C4 loader, which is not built yet")
+        "config.data.path is required for corpus 'c4' (a directory or glob "
+        "of C4 JSON-lines shards, or a TFDS data_dir with "
+        "config.data.tfds_name)")
+  problem = c4_files.shards_problem(path)
+  if problem:
+    raise ValueError(f"config.data.path: {problem}")
+  train, _ = c4_files.split_shards(path, data_config.validation_fraction)
+  if not train:
+    raise ValueError(f"config.data.path: every shard at {path!r} is named "
+                     f"'*validation*'; no train shards are left")
+
+
+def _refuse_streamed(data_config) -> None:
+  if data_config.corpus in STREAMED_CORPORA:
+    raise ValueError(
+        f"config.data.corpus={data_config.corpus!r} is streamed, not held in "
+        f"memory; use sources.make_batch_source")
 
 
 def _validate_synthetic(data_config) -> None:
@@ -143,3 +254,75 @@ def _check_int(config, name: str, minimum: int, maximum: int | None = None,
                      f"got {value!r}")
 
 
+
+
+def _encoder(data_config, documents: _Documents):
+  """(encode, vocab_size, eos_id) for the documents' kind."""
+  if documents.vocab_size is not None:  # token ids already
+    return (lambda document: document), documents.vocab_size, documents.eos_id
+  tokenizer = tokenizer_lib.build_tokenizer(data_config)
+  return tokenizer.encode, tokenizer.vocab_size, tokenizer.eos_id
+
+
+def _read_documents(data_config) -> _Documents:
+  readers = {
+      "embedded": _embedded_documents,
+      "synthetic": _synthetic_documents,
+      "text_files": _text_files_documents,
+  }
+  return readers[data_config.corpus](data_config)
+
+
+def _embedded_documents(data_config) -> _Documents:
+  fraction = data_config.validation_fraction
+  version = f"{sys.version_info.major}.{sys.version_info.minor}"
+  return _Documents(
+      train=list(embedded.read_documents(
+          embedded.stdlib_source_files("train", fraction))),
+      validation=list(embedded.read_documents(
+          embedded.stdlib_source_files("validation", fraction))),
+      name=f"embedded (Python {version} stdlib sources)")
+
+
+def _synthetic_documents(data_config) -> _Documents:
+  synthetic_config = data_config.synthetic
+  seed = data_config.seed
+  source = synthetic.MarkovSource(synthetic_config.vocab_size,
+                                  synthetic_config.concentration,
+                                  seed=[seed, _MATRIX_STREAM])
+  train = source.sample_documents(synthetic_config.num_documents,
+                                  synthetic_config.document_length, seed=seed)
+  validation = source.sample_documents(
+      synthetic_config.validation_documents, synthetic_config.document_length,
+      seed=[seed, _VALIDATION_STREAM])
+  return _Documents(
+      train=list(train), validation=list(validation),
+      name=(f"synthetic (order-1 Markov, {synthetic_config.vocab_size} "
+            f"symbols, concentration {synthetic_config.concentration})"),
+      vocab_size=synthetic_config.vocab_size + 1,
+      eos_id=synthetic_config.vocab_size,
+      entropy_rate=source.entropy_rate())
+
+
+def _text_files_documents(data_config) -> _Documents:
+  root, relative_paths = text_files.resolve_text_files(data_config.path)
+  name = f"text_files ({data_config.path})"
+  if len(relative_paths) == 1:
+    return _Documents(
+        train=list(embedded.read_documents([root / relative_paths[0]])),
+        validation=None, name=name)
+  validation_indices = file_split.select_split(
+      relative_paths, "validation", data_config.validation_fraction)
+  if len(validation_indices) in (0, len(relative_paths)):
+    # The hash put every file on one side; keep both splits non-empty.
+    validation_indices = [len(relative_paths) - 1]
+  is_validation = np.zeros(len(relative_paths), dtype=bool)
+  is_validation[validation_indices] = True
+  return _Documents(
+      train=list(embedded.read_documents(
+          [root / path for path, held_out in zip(relative_paths, is_validation)
+           if not held_out])),
+      validation=list(embedded.read_documents(
+          [root / path for path, held_out in zip(relative_paths, is_validation)
+           if held_out])),
+      name=name)

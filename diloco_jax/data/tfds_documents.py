@@ -25,7 +25,6 @@ from collections.abc import Iterator
 import importlib.util
 
 RECORDS_PER_SHARD = 8192
-_READ_CHUNK = 256  # records fetched per data-source call
 TEXT_FEATURE = "text"
 
 
@@ -56,7 +55,8 @@ class TfdsRecords:
 
   def __init__(self, name: str, data_dir: str, split: str,
                min_shards: int = 1):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    # Imported here: runs on other corpora need no TFDS installed.
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     self._name = name
     self._split = split
     self._builder = None
@@ -99,19 +99,15 @@ class TfdsRecords:
     if self._builder is not None:
       yield from self._read_tfrecord(begin + start, end, begin)
       return
-    for chunk_start in range(begin + start, end, _READ_CHUNK):
-      indices = list(range(chunk_start, min(chunk_start + _READ_CHUNK, end)))
-      get_many = getattr(self._records, "__getitems__", None)
-      records = (get_many(indices) if get_many is not None
-                 else [self._records[index] for index in indices])
-      for index, record in zip(indices, records):
-        text = _text(record)
-        if text:
-          yield index - begin, text
+    # One record at a time: tokenizing costs far more than a random read.
+    for index in range(begin + start, end):
+      text = _text(self._records[index])
+      if text:
+        yield index - begin, text
 
   def _read_tfrecord(self, first: int, end: int, begin: int
                      ) -> Iterator[tuple[int, str]]:
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     # A split slice read in file order (no shuffling) is deterministic.
     dataset = self._builder.as_dataset(split=f"{self._split}[{first}:{end}]",
                                        shuffle_files=False)

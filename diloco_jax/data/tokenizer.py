@@ -44,8 +44,8 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, model_path: str):
-    import sentencepiece  # pylint: disable=import-outside-toplevel
-    # Only this path needs the package; byte runs never import it.
+    # Imported here: only this tokenizer needs the package.
+    import sentencepiece  # pylint: disable=g-import-not-at-top
     with open(model_path, "rb") as f:
       model_proto = f.read()
     self._processor = sentencepiece.SentencePieceProcessor(

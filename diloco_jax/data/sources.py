@@ -1,0 +1,196 @@
+"""The batch-source protocol the training loop uses, and its factories.
+
+Every corpus, in memory or streamed, gives the loop the same object:
+
+  source = make_batch_source(config.data, num_islands, batch_size, seed)
+  batch = source.next_batch()        # [islands, batch, L+1] int32
+  saved = source.state()             # JSON-serializable dict
+  source.restore(saved)              # continue exactly from there
+  weights = source.island_token_weights()   # [islands] float, sums to 1
+  source.info                        # SourceInfo: name, vocab, EOS, ...
+
+and `make_eval_batches(config.data, batch_size, num_batches)` gives the fixed
+held-out set. In-memory corpora (embedded, synthetic, text_files) keep their
+batches a pure function of the step, so their state is just {"step": s}; the
+streamed C4 corpus keeps each island's read position (see `streaming`).
+
+`seed` orders the batches and seeds the k-means of clustered islands;
+config.data.seed builds the corpus (the synthetic chain).
+"""
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from diloco_jax.data import c4_files
+from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import streaming
+from diloco_jax.data import streams
+from diloco_jax.data import tfds_documents
+from diloco_jax.data import tokenizer as tokenizer_lib
+
+# Documents sampled from the first train shards to fit streaming centroids:
+# enough for k-means over a handful of kinds, quick to read at startup.
+CENTROID_SAMPLE_DOCUMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+  """What the loop reports about its data."""
+  name: str
+  vocab_size: int
+  eos_id: int
+  island_split: str
+  entropy_rate: float | None = None  # nats per token, synthetic only
+
+
+class BatchSource(Protocol):
+  """A resumable stream of batches for all islands."""
+
+  info: SourceInfo
+
+  def next_batch(self) -> np.ndarray:
+    """The next batch of every island: [islands, batch, L+1] int32."""
+    ...
+
+  def state(self) -> dict:
+    """A JSON-serializable position; `restore` of it continues from here."""
+    ...
+
+  def restore(self, state: dict) -> None:
+    """Continues as the source that returned `state` would have."""
+    ...
+
+  def island_token_weights(self) -> np.ndarray:
+    """[islands] float64, summing to 1: each island's share of the tokens."""
+    ...
+
+
+class InMemoryBatchSource:
+  """Step-indexed batches (IslandBatches or ClusteredIslandBatches)."""
+
+  def __init__(self, batches, token_weights: np.ndarray, info: SourceInfo):
+    self._batches = batches
+    self._token_weights = np.asarray(token_weights, dtype=np.float64)
+    self._step = 0
+    self.info = info
+
+  def next_batch(self) -> np.ndarray:
+    batch = self._batches.batch(self._step)
+    self._step += 1
+    return batch
+
+  def state(self) -> dict:
+    return {"step": self._step}
+
+  def restore(self, state: dict) -> None:
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise ValueError(f"data state must be {{'step': int >= 0}}, got "
+                       f"{state!r}")
+    self._step = step
+
+  def island_token_weights(self) -> np.ndarray:
+    """Each island's share of the train tokens it samples from.
+
+    iid: every island samples the whole corpus, 1 / islands each. clustered:
+    island i's cluster tokens / all train tokens, so that the token-weighted
+    outer average weighs each cluster as much as the corpus holds of it.
+    """
+    return self._token_weights.copy()
+
+
+def make_batch_source(data_config, num_islands: int, batch_size: int,
+                      seed: int) -> BatchSource:
+  """The batch source for config.data, validated first (ValueError)."""
+  corpus_lib.validate_data_config(data_config)
+  split = corpus_lib.island_split(data_config)
+  if data_config.corpus in corpus_lib.STREAMED_CORPORA:
+    return _streaming_source(data_config, num_islands, batch_size, seed, split)
+  corpus = _cached_corpus(data_config)
+  if split == "iid":
+    batches = streams.IslandBatches(corpus.train, num_islands, batch_size,
+                                    seed=seed)
+    weights = np.full(num_islands, 1.0 / num_islands)
+  else:
+    island_sequences = corpus_lib.build_island_sequences(
+        data_config, num_islands, seed)
+    batches = streams.ClusteredIslandBatches(island_sequences, batch_size,
+                                             seed=seed)
+    tokens = np.array([sequences.size for sequences in island_sequences],
+                      dtype=np.float64)
+    weights = tokens / tokens.sum()
+  info = SourceInfo(name=corpus.name, vocab_size=corpus.vocab_size,
+                    eos_id=corpus.eos_id, island_split=split,
+                    entropy_rate=corpus.entropy_rate)
+  return InMemoryBatchSource(batches, weights, info)
+
+
+def make_eval_batches(data_config, batch_size: int,
+                      num_batches: int) -> np.ndarray:
+  """The fixed held-out batches, [num_batches, batch_size, L+1] int32.
+
+  In-memory corpora: the first sequences of the validation split. C4: the
+  first sequences packed from the validation shards (or TFDS split
+  "validation"), read in order and only as far as needed.
+  """
+  corpus_lib.validate_data_config(data_config)
+  if data_config.corpus not in corpus_lib.STREAMED_CORPORA:
+    corpus = _cached_corpus(data_config)
+    return streams.eval_batches(corpus.validation, batch_size, num_batches)
+  documents = _c4_documents(data_config, "validation", min_shards=1)
+  sequences = streaming.eval_sequences(
+      documents, tokenizer_lib.build_tokenizer(data_config),
+      data_config.sequence_length, batch_size * num_batches)
+  return sequences.reshape(num_batches, batch_size, -1).astype(np.int32)
+
+
+_corpus_cache: dict = {}
+
+
+def _cached_corpus(data_config) -> corpus_lib.Corpus:
+  """build_corpus, remembered for the last config only.
+
+  make_batch_source and make_eval_batches both need the corpus of one
+  config; building it once halves the startup time of in-memory corpora.
+  """
+  key = data_config.to_json_best_effort(sort_keys=True)
+  if key not in _corpus_cache:
+    _corpus_cache.clear()
+    _corpus_cache[key] = corpus_lib.build_corpus(data_config)
+  return _corpus_cache[key]
+
+
+def _c4_documents(data_config, split: str, min_shards: int):
+  """The train or validation documents of the c4 corpus."""
+  tfds_name = data_config.get("tfds_name", "") or ""
+  if tfds_name:
+    return tfds_documents.TfdsRecords(tfds_name, data_config.path, split,
+                                      min_shards=min_shards)
+  train, validation = c4_files.split_shards(data_config.path,
+                                            data_config.validation_fraction)
+  return c4_files.ShardFiles(train if split == "train" else validation)
+
+
+def _c4_name(data_config) -> str:
+  tfds_name = data_config.get("tfds_name", "") or ""
+  if tfds_name:
+    return f"c4 (TFDS {tfds_name}, data_dir {data_config.path or 'default'})"
+  return f"c4 ({data_config.path})"
+
+
+def _streaming_source(data_config, num_islands: int, batch_size: int,
+                      seed: int, split: str) -> BatchSource:
+  tokenizer = tokenizer_lib.build_tokenizer(data_config)
+  documents = _c4_documents(data_config, "train", min_shards=num_islands)
+  centroids, weights = None, None
+  if split == "clustered":
+    centroids, weights = streaming.fit_centroids(
+        documents, num_islands, seed, tokenizer, CENTROID_SAMPLE_DOCUMENTS)
+  source = streaming.StreamingIslandBatches(
+      documents, num_islands, batch_size, data_config.sequence_length,
+      tokenizer, seed, centroids=centroids, token_weights=weights)
+  source.info = SourceInfo(name=_c4_name(data_config),
+                           vocab_size=tokenizer.vocab_size,
+                           eos_id=tokenizer.eos_id, island_split=split)
+  return source
