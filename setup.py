@@ -20,6 +20,10 @@ setuptools.setup(
         "chex>=0.1.90",
         "numpy>=2.0",
         "tensorboardX>=2.6",
+        "sentencepiece>=0.2",
+        # C4 through TFDS data sources (array_record; no TensorFlow needed).
+        "tensorflow-datasets>=4.9.10",
+        "importlib_resources",
     ],
     extras_require={"test": ["pytest>=8"]},
 )

@@ -33,7 +33,11 @@ def c4_config(num_layers: int, d_model: int, num_heads: int, head_dim: int,
   config.model.dtype = "bfloat16"
 
   config.data.corpus = "c4"
-  config.data.path = ""  # --config.data.path=... (required)
+  config.data.path = ""  # --config.data.path=... (required): JSONL shards
+  # or, with --config.data.tfds_name=c4/en, the TFDS data_dir (gs://... works
+  # on TPU/Colab).
+  config.data.tokenizer = "sentencepiece"
+  config.data.tokenizer_path = ""  # --config.data.tokenizer_path=.../spm.model
   config.data.sequence_length = 1024
   config.data.batch_size = 512
 

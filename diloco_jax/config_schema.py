@@ -63,7 +63,12 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = "embedded"  # 'embedded' | 'synthetic' | 'text_files' | 'c4'
-  c.data.path = ""  # files/glob for text_files; data location for c4
+  c.data.path = ""  # files/glob for text_files; C4 JSONL dir/glob or TFDS data_dir
+  c.data.tfds_name = ""  # corpus 'c4' through TFDS, e.g. 'c4/en' (path = data_dir)
+  c.data.tokenizer = "byte"  # 'byte' | 'sentencepiece'
+  c.data.tokenizer_path = ""  # SentencePiece .model (e.g. the T5 C4 vocabulary)
+  # 'iid' | 'clustered': islands get distinct k-means clusters of documents.
+  c.data.island_split = "iid"
   c.data.sequence_length = 128
   c.data.batch_size = 16  # per island (per worker); ddp global = islands x this
   c.data.validation_fraction = 0.05

@@ -32,10 +32,8 @@ from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optimizers
 from diloco_jax import validation
-from diloco_jax.data import corpus as corpus_lib
-from diloco_jax.data import streams
+from diloco_jax.data import sources
 
-BYTE_LEVEL_CORPORA = ("embedded", "text_files")
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
@@ -152,11 +150,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
             f"--workdir={workdir} holds {name} but no checkpoints to resume "
             "from; choose a new workdir or delete that one")
 
-  corpus = corpus_lib.build_corpus(config.data)
-  batches = streams.IslandBatches(corpus.train, islands, batch_size,
-                                  seed=config.data.seed)
-  eval_set = streams.eval_batches(corpus.validation, config.eval.batch_size,
-                                  config.eval.num_batches)
+  batches = sources.make_batch_source(config.data, islands, batch_size,
+                                      seed=config.data.seed)
+  eval_set = sources.make_eval_batches(config.data, config.eval.batch_size,
+                                       config.eval.num_batches)
+  # The outer mean weights island i by the tokens it processed this round
+  # times its cluster's share of the corpus (uniform for iid islands), so the
+  # averaged update stands for the whole data distribution.
+  island_shares = batches.island_token_weights() * islands
 
   mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage)
   graphdef, params = model_lib.init_params(config.model, config.seed)
@@ -193,7 +194,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if dropped:
     logging.info("dropped %d metrics records logged after step %d; they are "
                  "taken again", dropped, start_step)
-  batches_step = meta.get("data", {}).get("step", start_step)
+  if "data" in meta:
+    if meta["islands"] == islands or "step" in meta["data"]:
+      batches.restore(meta["data"])
+    else:  # per-island read positions do not map onto another island count
+      logging.warning("data streams restart for the new island count")
 
   batch_sharding = NamedSharding(mesh, diloco.BATCH_SPEC)
   eval_sharding = NamedSharding(mesh, P((mesh_lib.ISLAND, mesh_lib.DATA)))
@@ -202,7 +207,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   # Compile everything up front so timings exclude compilation.
   compile_start = time.perf_counter()
-  next_batch = _place(batches.batch(batches_step), batch_sharding)
+  next_batch = _place(batches.next_batch(), batch_sharding)
   inner_step = diloco.make_inner_step(
       loss_fn, inner_opt, mesh,
       sync_gradients_across_islands=(mode == "ddp")).lower(
@@ -225,7 +230,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   learning_rates = np.asarray(jax.vmap(
       optimizers.inner_learning_rate(config.inner_optimizer, total_steps))(
           jnp.arange(total_steps)))
-  byte_level = config.data.corpus in BYTE_LEVEL_CORPORA
+  byte_level = config.data.tokenizer == "byte"
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                mode, islands, inner_steps, f"{num_params:,}",
                islands * tokens_per_island_step, sync_bytes / 1e6)
@@ -253,7 +258,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         "step": step, "rounds_done": rounds_done, "tokens_seen": tokens_seen,
         "comm_bytes": comm_bytes, "ddp_comm_bytes": ddp_comm_bytes,
         "island_round_steps": island_round_steps.tolist(),
-        "islands": islands, "data": {"step": batches_step},
+        "islands": islands, "data": data_state,
         "param_shapes": param_shapes_record,
         "config": json.loads(config.to_json_best_effort()),
     })
@@ -270,21 +275,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
   eval_loss = float("nan")
   for step in range(start_step + 1, total_steps + 1):
     state, step_metrics = inner_step(state, next_batch)
-    batches_step += 1
+    data_state = batches.state()  # the position after the batch just used
     island_round_steps += 1
     tokens_seen += islands * tokens_per_island_step
     ddp_comm_bytes += sync_bytes
     if mode == "ddp":
       comm_bytes += sync_bytes
     if step < total_steps:  # prepare the next batch while this step runs
-      next_batch = _place(batches.batch(batches_step), batch_sharding)
+      next_batch = _place(batches.next_batch(), batch_sharding)
     if pending is not None:
       writer.write(finish_record(*pending))
     round_ended = _round_ends(step, inner_steps, total_steps)
     if round_ended:
       if outer_step is not None:
         # Islands are weighted by the tokens they processed this round.
-        weights = island_round_steps * tokens_per_island_step
+        weights = island_round_steps * tokens_per_island_step * island_shares
         state = outer_step(state, _place(weights.astype(np.float32),
                                          weights_sharding))
         comm_bytes += sync_bytes
@@ -341,8 +346,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   summary["model_flops_per_s"] = flops_per_token * summary["tokens_per_s"]
   summary.update({"final_" + k: v
                   for k, v in _eval_record(eval_loss, byte_level).items()})
-  if corpus.entropy_rate is not None:
-    summary["corpus_entropy_rate"] = corpus.entropy_rate
+  if batches.info.entropy_rate is not None:
+    summary["corpus_entropy_rate"] = batches.info.entropy_rate
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",
