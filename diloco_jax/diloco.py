@@ -218,10 +218,25 @@ def evaluation_params(state: TrainState, mode: str):
   return jax.tree.map(lambda y: y[0], state.island_params)
 
 
-def make_evaluate(loss_fn: LossFn, mode: str):
-  """Builds evaluate(state, batch) -> mean loss of `evaluation_params`."""
+def island_mean_params(state: TrainState):
+  """The plain average of the island params (what FedAvg would serve).
+
+  Evaluated just before an outer step, it is the counterpart of the global
+  params after it: Streaming DiLoCo found the outer params evaluate better.
+  """
+  return jax.tree.map(lambda y: jnp.mean(y, axis=0), state.island_params)
+
+
+def make_evaluate(loss_fn: LossFn, mode: str, island_mean: bool = False):
+  """Builds evaluate(state, batch) -> mean loss.
+
+  Evaluates `evaluation_params`, or with `island_mean` the average of the
+  island params.
+  """
 
   def evaluate(state: TrainState, batch: jax.Array) -> jax.Array:
-    return loss_fn(evaluation_params(state, mode), batch)
+    params = (island_mean_params(state) if island_mean
+              else evaluation_params(state, mode))
+    return loss_fn(params, batch)
 
   return jax.jit(evaluate)

@@ -70,6 +70,11 @@ def _eval_record(loss: float, byte_level: bool) -> dict:
   return record
 
 
+def _mean_loss(evaluate, state, eval_arrays) -> float:
+  return float(np.mean(jax.device_get([evaluate(state, b)
+                                       for b in eval_arrays])))
+
+
 def _with_shardings(abstract_tree, shardings):
   return jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -219,6 +224,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     ).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
       state, eval_arrays[0]).compile()
+  evaluate_island_mean = None
+  if mode == "diloco":
+    evaluate_island_mean = diloco.make_evaluate(
+        loss_fn, mode, island_mean=True).lower(state, eval_arrays[0]).compile()
   compile_s = time.perf_counter() - compile_start
   logging.info("compiled in %.1fs", compile_s)
 
@@ -269,6 +278,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
     return record
 
+  island_mean_loss = None
   writer.start_clock(tokens_seen)
   train_start = time.perf_counter()
   pending = None  # the previous step's record, finished one step late
@@ -287,6 +297,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
       writer.write(finish_record(*pending))
     round_ended = _round_ends(step, inner_steps, total_steps)
     if round_ended:
+      if evaluate_island_mean is not None:
+        # Before the outer step resets them, the islands' plain average.
+        island_mean_loss = _mean_loss(evaluate_island_mean, state, eval_arrays)
       if outer_step is not None:
         # Islands are weighted by the tokens they processed this round.
         weights = island_round_steps * tokens_per_island_step * island_shares
@@ -303,9 +316,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     }
     pending = (record, step_metrics)
     if round_ended:
-      eval_loss = float(np.mean(jax.device_get(
-          [evaluate(state, b) for b in eval_arrays])))
+      eval_loss = _mean_loss(evaluate, state, eval_arrays)
       record.update(_eval_record(eval_loss, byte_level))
+      if evaluate_island_mean is not None:
+        record["eval_loss_island_mean"] = island_mean_loss
       writer.write(finish_record(*pending))
       pending = None
     if _checkpoint_due(step, round_ended, rounds_done, total_steps,
@@ -317,8 +331,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if pending is not None:
     writer.write(finish_record(*pending))
   if math.isnan(eval_loss):  # resumed from the final checkpoint
-    eval_loss = float(np.mean(jax.device_get(
-        [evaluate(state, b) for b in eval_arrays])))
+    eval_loss = _mean_loss(evaluate, state, eval_arrays)
   jax.block_until_ready(state)
   train_s = time.perf_counter() - train_start
   checkpointer.close()
@@ -346,6 +359,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   summary["model_flops_per_s"] = flops_per_token * summary["tokens_per_s"]
   summary.update({"final_" + k: v
                   for k, v in _eval_record(eval_loss, byte_level).items()})
+  if evaluate_island_mean is not None and island_mean_loss is not None:
+    summary["final_eval_loss_island_mean"] = island_mean_loss
   if batches.info.entropy_rate is not None:
     summary["corpus_entropy_rate"] = batches.info.entropy_rate
   if jax.process_index() == 0:

@@ -46,6 +46,9 @@ def test_each_mode_trains_and_writes_outputs(mode, islands, tmp_path):
   h = config.diloco.inner_steps
   assert [r["step"] for r in evals] == list(range(h, config.total_steps + 1, h))
   assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5
+  # DiLoCo also reports the islands' plain average, measured before the reset.
+  assert all(("eval_loss_island_mean" in r) == (mode == "diloco")
+             for r in evals)
 
   on_disk = _read_summary(workdir)
   assert SUMMARY_KEYS <= set(on_disk)
@@ -156,3 +159,17 @@ def test_main_reports_bad_config_in_one_line_before_compiling(tmp_path):
       "error: config.diloco.inner_steps=0 must be an integer >= 1"]
   assert "compiled" not in result.stderr
   assert not workdir.exists()
+
+
+def test_island_mean_eval_equals_global_eval_under_parameter_averaging(
+    tmp_path):
+  """With outer SGD lr 1, x after the outer step is the islands' average."""
+  config = tiny.get_config()
+  config.diloco.outer_optimizer.name = "sgd"
+  config.diloco.outer_optimizer.learning_rate = 1.0
+  train.train_and_evaluate(config, str(tmp_path))
+  evals = [r for r in _read_metrics(str(tmp_path)) if "eval_loss" in r]
+  assert evals
+  for r in evals:
+    assert r["eval_loss_island_mean"] == pytest.approx(r["eval_loss"],
+                                                       abs=1e-5)
