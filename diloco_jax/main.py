@@ -52,9 +52,22 @@ def _configure_devices(config) -> None:
         process_id=_PROCESS_ID.value)
 
 
+class _QuietLibraries:
+  """Drops INFO lines of the libraries that log every checkpoint operation.
+
+  orbax logs through absl at INFO several lines per save, drowning the
+  progress lines; their warnings and errors still show.
+  """
+
+  def filter(self, record) -> bool:
+    noisy = f"{os.sep}orbax{os.sep}" in record.pathname
+    return not noisy or record.levelno > 20  # 20 = INFO
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   config = _CONFIG.value
   _configure_devices(config)
   from diloco_jax import checkpointing  # pylint: disable=g-import-not-at-top

@@ -26,3 +26,28 @@ def test_paper_c4_configs_build_and_validate(name, nominal):
   # Without a data path the config is refused, naming the field.
   with pytest.raises(validation.ConfigError, match="config.data.path"):
     validation.validate_config(config, num_devices=NUM_DEVICES)
+
+
+def test_paper_c4_configs_validate_given_their_data(tmp_path):
+  """With C4 shards and a SentencePiece model, the paper configs are valid."""
+  spm = pytest.importorskip("sentencepiece")
+  import gzip, json  # pylint: disable=g-import-not-at-top,multiple-imports
+  texts = [f"document {i} about topic {i % 7}: " + "words " * (i % 13 + 3)
+           for i in range(400)]
+  shards = tmp_path / "c4"
+  shards.mkdir()
+  for name, part in (("c4-train.00000-of-00002.json.gz", texts[:200]),
+                     ("c4-train.00001-of-00002.json.gz", texts[200:350]),
+                     ("c4-validation.00000-of-00001.json.gz", texts[350:])):
+    with gzip.open(shards / name, "wt") as f:
+      f.writelines(json.dumps({"text": t}) + "\n" for t in part)
+  sample = tmp_path / "sample.txt"
+  sample.write_text("\n".join(texts))
+  spm.SentencePieceTrainer.train(input=str(sample),
+                                 model_prefix=str(tmp_path / "spm"),
+                                 vocab_size=64, minloglevel=2)
+  for name in ("c4_60m", "c4_150m", "c4_400m"):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    config.data.path = str(shards)
+    config.data.tokenizer_path = str(tmp_path / "spm.model")
+    validation.validate_config(config, num_devices=NUM_DEVICES)
