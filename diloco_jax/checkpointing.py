@@ -47,6 +47,9 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
+            # A process killed mid-save leaves a temporary directory behind;
+            # the next start removes it (the finalized steps are untouched).
+            cleanup_tmp_directories=True,
             create=True),
         item_names=(STATE, META),
     )

@@ -103,6 +103,9 @@ def test_sigkill_and_resume_equals_uninterrupted(uninterrupted, tmp_path,
   assert result.returncode == 0, result.stderr[-3000:]
   assert "resuming from the checkpoint at step" in result.stderr
   _assert_identical_runs(uninterrupted[0], workdir)
+  # Nothing half-written is left behind by the killed save, if any.
+  assert all(name.isdigit() for name in os.listdir(
+      os.path.join(workdir, "checkpoints")))
 
 
 def test_rerunning_a_finished_run_returns_its_summary(uninterrupted):
