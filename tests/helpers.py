@@ -41,3 +41,14 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
   jax.tree.map(
       lambda x, y: np.testing.assert_allclose(
           np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+
+
+def small_data_config(**overrides):
+  """config.data with the schema's fields and a tiny synthetic corpus."""
+  config = config_schema.base_config().data
+  config.corpus = "synthetic"
+  config.sequence_length = 16
+  config.synthetic.update(vocab_size=8, concentration=0.5, num_documents=64,
+                          document_length=63, validation_documents=8)
+  config.update(overrides)
+  return config

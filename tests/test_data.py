@@ -5,6 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests import helpers
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import embedded
 from diloco_jax.data import packing
@@ -14,22 +15,8 @@ from diloco_jax.data import tokenizer as tokenizer_lib
 
 
 def _data_config(**overrides) -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict({
-      "corpus": "synthetic",
-      "sequence_length": 16,
-      "validation_fraction": 0.05,
-      "path": "",
-      "seed": 0,
-      "synthetic": {
-          "vocab_size": 8,
-          "concentration": 0.5,
-          "num_documents": 64,
-          "document_length": 63,
-          "validation_documents": 8,
-      },
-  })
-  config.update(overrides)
-  return config
+  return helpers.small_data_config(**{
+      "validation_fraction": 0.05, **overrides})
 
 
 # Tokenizer.

@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests import helpers
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import sources
@@ -17,19 +18,9 @@ EOS = tokenizer_lib.ByteTokenizer.eos_id
 
 
 def _data_config(**overrides) -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict({
-      "corpus": "c4",
-      "path": "",
-      "sequence_length": 15,
-      "validation_fraction": 0.3,
-      "seed": 0,
-      "tokenizer": "byte",
-      "tokenizer_path": "",
-      "tfds_name": "",
-      "island_split": "iid",
-  })
-  config.update(overrides)
-  return config
+  return helpers.small_data_config(**{
+      "corpus": "c4", "sequence_length": 15,
+      "validation_fraction": 0.3, **overrides})
 
 
 def _document(shard: str, index: int) -> str:

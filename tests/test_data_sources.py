@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests import helpers
 from diloco_jax.data import clustering
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import sources
@@ -17,26 +18,8 @@ spm = pytest.importorskip("sentencepiece")
 
 
 def _data_config(**overrides) -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict({
-      "corpus": "synthetic",
-      "path": "",
-      "sequence_length": 16,
-      "validation_fraction": 0.2,
-      "seed": 0,
-      "tokenizer": "byte",
-      "tokenizer_path": "",
-      "tfds_name": "",
-      "island_split": "iid",
-      "synthetic": {
-          "vocab_size": 8,
-          "concentration": 0.5,
-          "num_documents": 64,
-          "document_length": 63,
-          "validation_documents": 8,
-      },
-  })
-  config.update(overrides)
-  return config
+  return helpers.small_data_config(**{
+      "validation_fraction": 0.2, **overrides})
 
 
 # Two unmistakable kinds of document: Python code and English prose.
