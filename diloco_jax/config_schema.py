@@ -23,6 +23,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco = ml_collections.ConfigDict()
   c.diloco.islands = 4  # k; ddp uses them as data-parallel workers
   c.diloco.inner_steps = 50  # H
+  # How pseudo-gradients cross the island link (see codecs.py): 'fp32' |
+  # 'bf16' | 'fp16' | 'int8' | 'int4'; blockwise codecs use one scale per block.
+  c.diloco.codec = "fp32"
+  c.diloco.codec_block_size = 256
   c.diloco.outer_optimizer = ml_collections.ConfigDict()
   c.diloco.outer_optimizer.name = "nesterov"  # see OUTER_OPTIMIZERS
   c.diloco.outer_optimizer.learning_rate = 0.7

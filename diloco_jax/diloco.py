@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diloco_jax import codecs
 from diloco_jax import communication
 from diloco_jax.mesh import DATA, ISLAND
 
@@ -144,8 +145,11 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
   return jax.jit(step, donate_argnums=0)
 
 
-def make_outer_step(outer_opt: optax.GradientTransformation, mesh):
+def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
+                    codec: codecs.DenseCodec | None = None):
   """Builds the jitted outer step: one program, one cross-island collective.
+
+  `codec` says how pseudo-gradients cross the island link (None: fp32).
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
@@ -155,7 +159,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh):
   def island_round_end(global_params, outer_state, island_params, weight):
     local = _squeeze_island(island_params)
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, local)
-    mean_pseudo_grad = communication.island_mean(pseudo_grad, weight[0])
+    mean_pseudo_grad = communication.island_mean(pseudo_grad, weight[0],
+                                                 codec=codec)
     updates, outer_state = outer_opt.update(
         mean_pseudo_grad, outer_state, global_params)
     new_global = optax.apply_updates(global_params, updates)
@@ -166,6 +171,10 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh):
     island_spec = lambda tree: jax.tree.map(lambda _: P(ISLAND), tree)
     round_end = jax.shard_map(
         island_round_end, mesh=mesh,
+        # A compressed mean ends in an all_gather, whose result is the same
+        # on every island but is typed as varying; the replicated out_specs
+        # are right by construction (tests check islands agree bit for bit).
+        check_vma=codec is None or codec.is_identity,
         in_specs=(replicated(state.global_params),
                   replicated(state.outer_opt_state),
                   island_spec(state.island_params), P(ISLAND)),

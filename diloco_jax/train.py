@@ -24,6 +24,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import checkpointing
+from diloco_jax import codecs
 from diloco_jax import communication
 from diloco_jax import diloco
 from diloco_jax import flops
@@ -68,6 +69,11 @@ def _eval_record(loss: float, byte_level: bool) -> dict:
   if byte_level:
     record["eval_bits_per_byte"] = loss / math.log(2)
   return record
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+  """numerator / denominator, or None when nothing was sent (k = 1)."""
+  return numerator / denominator if denominator else None
 
 
 def _mean_loss(evaluate, state, eval_arrays) -> float:
@@ -169,6 +175,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   loss_fn = functools.partial(model_lib.next_token_loss, graphdef)
   inner_opt = optimizers.inner_optimizer(config.inner_optimizer, total_steps)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
+  codec = codecs.make_codec(config.diloco.codec,
+                            config.diloco.codec_block_size)
   init = lambda p: diloco.init_state(p, inner_opt, outer_opt, islands)
   abstract_state = jax.eval_shape(init, params)
   state_shardings = diloco.state_shardings(abstract_state, mesh)
@@ -219,7 +227,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
           state, next_batch).compile()
   outer_step = None
   if mode == "diloco":
-    outer_step = diloco.make_outer_step(outer_opt, mesh).lower(
+    outer_step = diloco.make_outer_step(outer_opt, mesh, codec).lower(
         state, _place(np.zeros(islands, np.float32), weights_sharding)
     ).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
@@ -233,7 +241,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   param_shapes = abstract_state.global_params
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
-  sync_bytes = communication.island_mean_bytes(param_shapes, islands)
+  # DDP all-reduces float32 gradients; DiLoCo sends pseudo-gradients
+  # through the codec.
+  ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands)
+  sync_bytes = (communication.island_mean_bytes(param_shapes, islands, codec)
+                if mode == "diloco" else ddp_step_bytes)
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
   tokens_per_island_step = batch_size * seq_len
   learning_rates = np.asarray(jax.vmap(
@@ -288,7 +300,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     data_state = batches.state()  # the position after the batch just used
     island_round_steps += 1
     tokens_seen += islands * tokens_per_island_step
-    ddp_comm_bytes += sync_bytes
+    ddp_comm_bytes += ddp_step_bytes
     if mode == "ddp":
       comm_bytes += sync_bytes
     if step < total_steps:  # prepare the next batch while this step runs
@@ -313,6 +325,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         "learning_rate": float(learning_rates[step - 1]),
         "tokens_seen": tokens_seen, "comm_bytes": comm_bytes,
         "ddp_comm_bytes": ddp_comm_bytes,
+        "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
     }
     pending = (record, step_metrics)
     if round_ended:
@@ -348,6 +361,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
       "tokens_seen": tokens_seen,
       "comm_bytes": comm_bytes,
       "ddp_comm_bytes": ddp_comm_bytes,
+      "codec": config.diloco.codec if mode == "diloco" else "fp32",
+      # What the codec saves on one sync, and what DiLoCo saves against DDP.
+      "compression_vs_fp32": _ratio(ddp_step_bytes, sync_bytes),
+      "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
       "compile_s": compile_s,
       "train_s": train_s,
       "wall_s": time.perf_counter() - wall_start,

@@ -5,6 +5,7 @@ so a bad flag costs a second rather than a compile, and the workdir is left
 untouched.
 """
 
+from diloco_jax import codecs
 from diloco_jax import config_schema
 from diloco_jax.data import corpus as corpus_lib
 
@@ -82,6 +83,17 @@ def validate_config(config, num_devices: int) -> None:
       f"islands x mesh.data = {eval_shards}",
   )
 
+  _require(
+      config.diloco.codec in codecs.CODECS,
+      f"config.diloco.codec={config.diloco.codec!r} is not one of "
+      f"{codecs.CODECS}",
+  )
+  _positive_int(config, "diloco.codec_block_size")
+  _require(
+      config.diloco.codec_block_size % 2 == 0,
+      f"config.diloco.codec_block_size={config.diloco.codec_block_size} must "
+      "be even (int4 packs two values per byte)",
+  )
   outer = config.diloco.outer_optimizer
   _require(
       outer.name in config_schema.OUTER_OPTIMIZERS,

@@ -125,6 +125,8 @@ BAD_CONFIGS = [
      "config.data.path"),
     ({"data.corpus": "c4", "data.path": ""}, "config.data.path is required"),
     ({"model.vocab_size": 8}, "config.model.vocab_size=8"),
+    ({"diloco.codec": "int3"}, "config.diloco.codec='int3'"),
+    ({"diloco.codec_block_size": 7}, "config.diloco.codec_block_size=7"),
 ]
 
 

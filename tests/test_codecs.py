@@ -1,0 +1,197 @@
+"""Codecs and the compressed island mean (DESIGN.md §1.3)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax import codecs
+from diloco_jax import communication
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
+from tests import helpers
+
+LOSSY = ("bf16", "fp16", "int8", "int4")
+
+
+def _vector(n=4096, seed=0):
+  rng = np.random.default_rng(seed)
+  # Blocks of very different magnitudes, as pseudo-gradients of different
+  # layers have; blockwise scales must handle each.
+  scales = np.repeat(10.0 ** rng.uniform(-6, 1, n // 256), 256)
+  return jnp.asarray(rng.standard_normal(n) * scales, jnp.float32)
+
+
+@pytest.mark.parametrize("name", codecs.CODECS)
+def test_round_trip_error_is_within_half_a_step(name):
+  codec = codecs.make_codec(name, block_size=256)
+  x = _vector()
+  error = jnp.abs(codec.decode(codec.encode(x)) - x)
+  bound = codec.max_abs_error(x)
+  assert bool(jnp.all(error <= bound * (1 + 1e-6) + 1e-30)), (
+      float(jnp.max(error - bound)))
+  if name == "fp32":
+    assert float(jnp.max(error)) == 0.0
+
+
+def test_int4_packing_round_trips_every_level():
+  q = jnp.arange(-7, 8, dtype=jnp.int8)
+  q = jnp.concatenate([q, q[::-1], jnp.zeros(2, jnp.int8)])  # even length
+  np.testing.assert_array_equal(
+      codecs._unpack_nibbles(codecs._pack_nibbles(q)), q)
+
+
+def test_stochastic_rounding_is_unbiased():
+  codec = codecs.make_codec("int8", block_size=256)
+  x = jnp.full((256,), 0.3, jnp.float32).at[0].set(127.0)  # step = 1.0
+  keys = jax.random.split(jax.random.key(0), 2000)
+  decoded = jax.vmap(lambda k: codec.decode(codec.encode(x, k)))(keys)
+  assert abs(float(decoded[:, 1:].mean()) - 0.3) < 0.01
+  assert float(codec.decode(codec.encode(x))[1]) == 0.0  # nearest rounds down
+
+
+def _compressed_mean(islands, codec, tree, weights):
+  mesh = mesh_lib.build_mesh(islands)
+
+  def per_island(t, w):
+    mean = communication.island_mean(jax.tree.map(lambda x: x[0], t), w[0],
+                                     codec=codec)
+    return jax.tree.map(lambda x: x[None], mean)
+
+  return jax.jit(jax.shard_map(
+      per_island, mesh=mesh, in_specs=(P("island"), P("island")),
+      out_specs=P("island")))(tree, weights)
+
+
+def _reference_mean(islands, codec, tree, weights):
+  """Decode-then-sum on the host, chunk by chunk, as the collective should."""
+  flat = np.stack([np.concatenate([np.ravel(leaf[i]) for leaf in
+                                   jax.tree.leaves(tree)])
+                   for i in range(islands)])
+  n = flat.shape[1]
+  chunk = communication._chunk_length(n, islands, codec.block_size)
+  shares = weights / weights.sum()
+  padded = np.zeros((islands, chunk * islands), np.float32)
+  padded[:, :n] = flat * shares[:, None]
+  out = []
+  for c in range(islands):
+    part = sum(np.asarray(codec.decode(codec.encode(
+        jnp.asarray(padded[i, c * chunk:(c + 1) * chunk]))))
+               for i in range(islands))
+    out.append(np.asarray(codec.decode(codec.encode(jnp.asarray(part)))))
+  return np.concatenate(out)[:n]
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_compressed_mean_equals_decode_then_mean_reference(name):
+  islands = 4
+  codec = codecs.make_codec(name, block_size=64)
+  rng = np.random.default_rng(1)
+  tree = {"w": rng.standard_normal((islands, 40, 13)).astype(np.float32),
+          "b": rng.standard_normal((islands, 30)).astype(np.float32)}
+  weights = np.array([1.0, 3.0, 0.0, 2.0], np.float32)
+  out = _compressed_mean(islands, codec, tree, weights)
+  expected = _reference_mean(islands, codec, tree, weights)
+  leaves = jax.tree.leaves(out)
+  for i in range(islands):
+    got = np.concatenate([np.ravel(leaf[i]) for leaf in leaves])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+  exact = np.concatenate([np.ravel(np.tensordot(weights, leaf, 1)
+                                   / weights.sum())
+                          for leaf in jax.tree.leaves(tree)])
+  assert np.abs(expected - exact).max() < 0.5  # and it is close to exact
+
+
+@pytest.mark.parametrize("islands", [2, 4, 8])
+def test_int8_sends_about_four_times_fewer_bytes_at_any_island_count(islands):
+  tree = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+          "b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+  fp32 = communication.island_mean_bytes(tree, islands)
+  ratios = {name: fp32 / communication.island_mean_bytes(
+      tree, islands, codecs.make_codec(name)) for name in LOSSY}
+  assert 3.85 < ratios["int8"] <= 4.0
+  assert 1.95 < ratios["bf16"] <= 2.0
+  assert 1.9 < ratios["fp16"] <= 2.0
+  assert 7.4 < ratios["int4"] <= 8.0
+
+
+def test_byte_count_by_hand():
+  tree = {"a": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+          "b": jax.ShapeDtypeStruct((2048,), jnp.bfloat16)}  # 4096 values
+  k, codec = 4, codecs.make_codec("int8", block_size=256)
+  chunk = 1024  # 4096 / 4, whole blocks
+  payload = chunk * 1 + (chunk // 256) * 4  # int8 values + f32 scales
+  weight_psum = 2 * (k - 1) * 4
+  assert communication.island_mean_bytes(tree, k, codec) == (
+      weight_psum + 2 * (k - 1) * payload)
+  assert communication.island_mean_bytes(tree, 1, codec) == 0
+
+
+def test_outer_step_sends_the_int8_payload_in_one_program():
+  islands = 2
+  params, _ = helpers.tiny_problem()
+  params = jax.tree.map(np.array, params)
+  outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  mesh = mesh_lib.build_mesh(islands)
+  state = diloco.init_state(params, optax.adam(1e-3), outer_opt, islands)
+  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
+  codec = codecs.make_codec("int8")
+  hlo = diloco.make_outer_step(outer_opt, mesh, codec).lower(
+      state, weights).compile().as_text()
+  collectives = [l for l in hlo.splitlines()
+                 if re.search(r"\b(all-to-all|all-gather|all-reduce)"
+                              r"(-start)?\(", l)]
+  wire_types = " ".join(l.split("=", 1)[1].split("(")[0] for l in collectives)
+  assert "s8[" in wire_types  # int8 values cross the link
+  assert not re.search(r"f32\[\d{3,}", wire_types)  # no big f32 collective
+  # One compiled program: no host callbacks or transfers inside it.
+  assert "custom-call" not in hlo or "callback" not in hlo
+  assert "send(" not in hlo and "recv(" not in hlo
+
+
+def test_int8_outer_step_leaves_every_island_with_the_same_params():
+  islands = 4
+  params, loss_fn = helpers.tiny_problem()
+  params = jax.tree.map(np.array, params)
+  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
+  mesh = mesh_lib.build_mesh(islands)
+  state = diloco.init_state(params, inner_opt, outer_opt, islands)
+  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  batch = jax.device_put(helpers.random_batches(1, islands, 2)[0],
+                         NamedSharding(mesh, diloco.BATCH_SPEC))
+  state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
+  y = jax.device_get(state.island_params)
+  weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
+  state = diloco.make_outer_step(outer_opt, mesh, codecs.make_codec("int8"))(
+      state, weights)
+  new_y = jax.device_get(state.island_params)
+  x = jax.device_get(state.global_params)
+  for i in range(islands):
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b),
+                 new_y, x)
+  # Averaging through int8 lands close to the exact average.
+  exact = jax.tree.map(lambda a: a.mean(axis=0), y)
+  helpers.assert_trees_close(x, exact, rtol=0, atol=2e-3)
+
+
+def test_training_with_a_codec_reports_its_compression(tmp_path):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  summaries = {}
+  for name in ("fp32", "int8"):
+    config = tiny.get_config()
+    config.diloco.codec = name
+    summaries[name] = train.train_and_evaluate(config, str(tmp_path / name))
+  fp32, int8 = summaries["fp32"], summaries["int8"]
+  assert int8["codec"] == "int8" and fp32["compression_vs_fp32"] == 1.0
+  assert int8["compression_vs_fp32"] == pytest.approx(
+      fp32["comm_bytes"] / int8["comm_bytes"])
+  assert int8["compression_vs_fp32"] > 3.0
+  assert int8["compression_vs_ddp"] == pytest.approx(
+      int8["ddp_comm_bytes"] / int8["comm_bytes"])
+  assert abs(int8["final_eval_loss"] - fp32["final_eval_loss"]) < 0.05
