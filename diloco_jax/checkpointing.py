@@ -27,6 +27,27 @@ def param_shapes_record(params) -> dict:
           for path, leaf in flat}
 
 
+def state_layout_record(state) -> list[str]:
+  """The key paths of every leaf of a TrainState (structure, not shapes).
+
+  The layout changes with the optimizers and with error feedback; shapes of
+  per-island leaves change with the island count, which resuming allows.
+  """
+  return sorted(jax.tree_util.keystr(path) for path, _ in
+                jax.tree_util.tree_flatten_with_path(state)[0])
+
+
+def layout_mismatch(saved: list[str], current: list[str]) -> str | None:
+  """Describes the first leaf only one of two state layouts has."""
+  only_saved = sorted(set(saved) - set(current))
+  only_current = sorted(set(current) - set(saved))
+  if only_saved:
+    return f"the checkpoint holds {only_saved[0]}, which this config lacks"
+  if only_current:
+    return f"this config needs {only_current[0]}, which the checkpoint lacks"
+  return None
+
+
 def shape_mismatch(saved: dict, current: dict) -> str | None:
   """Describes the first difference between two param_shapes_record()s."""
   for path in sorted(set(saved) | set(current)):

@@ -27,7 +27,8 @@ from diloco_jax.mesh import ISLAND
 
 
 def island_mean(tree, weight, axis_name: str = ISLAND,
-                codec: codecs.DenseCodec | None = None):
+                codec: codecs.DenseCodec | None = None,
+                key: jax.Array | None = None, return_sent: bool = False):
   """Weighted mean of `tree` over the islands, identical on every island.
 
   Must be called inside a shard_map (or pmap) that names `axis_name`.
@@ -37,20 +38,27 @@ def island_mean(tree, weight, axis_name: str = ISLAND,
     weight: this island's scalar weight (tokens it processed; 0 if inactive).
     axis_name: the mesh axis along which islands are laid out.
     codec: how values cross the link; None or fp32 sends them uncompressed.
+    key: a PRNG key for the codec's stochastic rounding (None: nearest).
+    return_sent: also return what this island's contribution became after
+      encoding, in `tree`'s units (for error feedback).
 
   Returns:
     sum_i w_i * tree_i / sum_i w_i (with each island's contribution passed
-    through the codec), in the leaves' own dtypes.
+    through the codec), in the leaves' own dtypes; with `return_sent`, the
+    pair (mean, sent).
   """
   if codec is not None and not codec.is_identity:
-    return _compressed_island_mean(tree, weight, axis_name, codec)
-  total_weight = jax.lax.psum(weight, axis_name)
-  # Accumulate in float32 whatever the leaves' dtype: summing in low
-  # precision loses the small pseudo-gradients of late training.
-  weighted = jax.tree.map(lambda x: x.astype(np.float32) * weight, tree)
-  summed = jax.lax.psum(weighted, axis_name)
-  return jax.tree.map(
-      lambda s, x: (s / total_weight).astype(x.dtype), summed, tree)
+    mean, sent = _compressed_island_mean(tree, weight, axis_name, codec, key)
+  else:
+    total_weight = jax.lax.psum(weight, axis_name)
+    # Accumulate in float32 whatever the leaves' dtype: summing in low
+    # precision loses the small pseudo-gradients of late training.
+    weighted = jax.tree.map(lambda x: x.astype(np.float32) * weight, tree)
+    summed = jax.lax.psum(weighted, axis_name)
+    mean = jax.tree.map(
+        lambda s, x: (s / total_weight).astype(x.dtype), summed, tree)
+    sent = tree
+  return (mean, sent) if return_sent else mean
 
 
 def _chunk_length(num_values: int, num_islands: int, block_size: int) -> int:
@@ -59,7 +67,7 @@ def _chunk_length(num_values: int, num_islands: int, block_size: int) -> int:
 
 
 def _compressed_island_mean(tree, weight, axis_name: str,
-                            codec: codecs.DenseCodec):
+                            codec: codecs.DenseCodec, key):
   num_islands = jax.lax.psum(1, axis_name)
   flat, unravel = ravel_pytree(
       jax.tree.map(lambda x: x.astype(jnp.float32), tree))
@@ -68,17 +76,28 @@ def _compressed_island_mean(tree, weight, axis_name: str,
   chunk = _chunk_length(n, num_islands, codec.block_size)
   chunks = jnp.pad(flat * share, (0, chunk * num_islands - n)).reshape(
       num_islands, chunk)
+  send_keys = reduce_key = None
+  if key is not None:  # independent rounding noise per chunk and phase
+    send_keys = jax.random.split(jax.random.fold_in(key, 0), num_islands)
+    reduce_key = jax.random.fold_in(key, 1)
   # Reduce-scatter: island i receives every island's encoded chunk i.
-  sent = jax.vmap(codec.encode)(chunks)
+  sent = jax.vmap(codec.encode)(chunks, send_keys)
   received = jax.tree.map(
       lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
   reduced_chunk = jnp.sum(jax.vmap(codec.decode)(received), axis=0)
   # All-gather the re-encoded reduced chunks.
   gathered = jax.tree.map(
       lambda p: jax.lax.all_gather(p, axis_name, axis=0),
-      codec.encode(reduced_chunk))
+      codec.encode(reduced_chunk, reduce_key))
   mean = jax.vmap(codec.decode)(gathered).reshape(-1)[:n]
-  return jax.tree.map(lambda m, x: m.astype(x.dtype), unravel(mean), tree)
+  # What this island's contribution became, back in its own units; an
+  # island with no weight sent nothing.
+  sent_flat = jax.vmap(codec.decode)(sent).reshape(-1)[:n]
+  sent_flat = jnp.where(share > 0, sent_flat / jnp.where(share > 0, share, 1),
+                        0.0)
+  cast = lambda values: jax.tree.map(lambda v, x: v.astype(x.dtype),
+                                     unravel(values), tree)
+  return cast(mean), cast(sent_flat)
 
 
 def ring_allreduce_bytes(num_elements: int, itemsize: int,

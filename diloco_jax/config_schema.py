@@ -27,6 +27,9 @@ def base_config() -> ml_collections.ConfigDict:
   # 'bf16' | 'fp16' | 'int8' | 'int4'; blockwise codecs use one scale per block.
   c.diloco.codec = "fp32"
   c.diloco.codec_block_size = 256
+  c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
+  # Keep what the codec did not send, per island, and add it next round.
+  c.diloco.error_feedback = False
   c.diloco.outer_optimizer = ml_collections.ConfigDict()
   c.diloco.outer_optimizer.name = "nesterov"  # see OUTER_OPTIMIZERS
   c.diloco.outer_optimizer.learning_rate = 0.7

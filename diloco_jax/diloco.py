@@ -36,6 +36,8 @@ class TrainState(flax.struct.PyTreeNode):
     outer_opt_state: the outer optimizer's state (replicated).
     island_params: y, stacked [islands, ...], sharded over 'island'.
     inner_opt_state: the inner optimizers' states, stacked the same way.
+    residuals: error feedback: per island, the part of its pseudo-gradients
+      the codec has not sent yet (stacked like island_params), or None.
   """
   step: jax.Array
   round: jax.Array
@@ -43,18 +45,26 @@ class TrainState(flax.struct.PyTreeNode):
   outer_opt_state: Any
   island_params: Any
   inner_opt_state: Any
+  residuals: Any = None
 
 
 def _stack(tree, n: int):
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
 
 
+def _zero_residuals(params, num_islands: int):
+  return jax.tree.map(
+      lambda x: jnp.zeros((num_islands,) + x.shape, jnp.float32), params)
+
+
 def init_state(params, inner_opt: optax.GradientTransformation,
                outer_opt: optax.GradientTransformation,
-               num_islands: int) -> TrainState:
+               num_islands: int, error_feedback: bool = False) -> TrainState:
   """Every island starts from the same params with a fresh inner state."""
   island_params = _stack(params, num_islands)
   return TrainState(
+      residuals=(_zero_residuals(params, num_islands) if error_feedback
+                 else None),
       step=jnp.zeros((), jnp.int32),
       round=jnp.zeros((), jnp.int32),
       global_params=params,
@@ -74,6 +84,7 @@ def state_partition_specs(state: TrainState) -> TrainState:
       outer_opt_state=replicated(state.outer_opt_state),
       island_params=per_island(state.island_params),
       inner_opt_state=per_island(state.inner_opt_state),
+      residuals=per_island(state.residuals),
   )
 
 
@@ -146,48 +157,68 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
-                    codec: codecs.DenseCodec | None = None):
+                    codec: codecs.DenseCodec | None = None,
+                    rounding_seed: int | None = None):
   """Builds the jitted outer step: one program, one cross-island collective.
 
-  `codec` says how pseudo-gradients cross the island link (None: fp32).
+  `codec` says how pseudo-gradients cross the island link (None: fp32). When
+  the state carries residuals, error feedback adds each island's residual to
+  its pseudo-gradient and keeps what the codec did not send. With
+  `rounding_seed` the codec rounds stochastically, with noise derived from
+  (seed, round, island) so a resumed run draws the same noise.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
-  def island_round_end(global_params, outer_state, island_params, weight):
+  def island_round_end(global_params, outer_state, island_params, residuals,
+                       weight, round_index):
     local = _squeeze_island(island_params)
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, local)
-    mean_pseudo_grad = communication.island_mean(pseudo_grad, weight[0],
-                                                 codec=codec)
+    if residuals is not None:
+      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad,
+                                 _squeeze_island(residuals))
+    key = None
+    if rounding_seed is not None:
+      key = jax.random.fold_in(
+          jax.random.fold_in(jax.random.key(rounding_seed), round_index),
+          jax.lax.axis_index(ISLAND))
+    mean_pseudo_grad, sent = communication.island_mean(
+        pseudo_grad, weight[0], codec=codec, key=key, return_sent=True)
+    if residuals is not None:
+      residuals = _unsqueeze_island(
+          jax.tree.map(jnp.subtract, pseudo_grad, sent))
     updates, outer_state = outer_opt.update(
         mean_pseudo_grad, outer_state, global_params)
     new_global = optax.apply_updates(global_params, updates)
-    return new_global, outer_state, _unsqueeze_island(new_global)
+    return (new_global, outer_state, _unsqueeze_island(new_global),
+            residuals)
 
   def outer(state: TrainState, weights: jax.Array):
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
     island_spec = lambda tree: jax.tree.map(lambda _: P(ISLAND), tree)
     round_end = jax.shard_map(
         island_round_end, mesh=mesh,
+        in_specs=(replicated(state.global_params),
+                  replicated(state.outer_opt_state),
+                  island_spec(state.island_params),
+                  island_spec(state.residuals), P(ISLAND), P()),
+        out_specs=(replicated(state.global_params),
+                   replicated(state.outer_opt_state),
+                   island_spec(state.island_params),
+                   island_spec(state.residuals)),
         # A compressed mean ends in an all_gather, whose result is the same
         # on every island but is typed as varying; the replicated out_specs
         # are right by construction (tests check islands agree bit for bit).
         check_vma=codec is None or codec.is_identity,
-        in_specs=(replicated(state.global_params),
-                  replicated(state.outer_opt_state),
-                  island_spec(state.island_params), P(ISLAND)),
-        out_specs=(replicated(state.global_params),
-                   replicated(state.outer_opt_state),
-                   island_spec(state.island_params)),
     )
-    new_global, outer_state, island_params = round_end(
+    new_global, outer_state, island_params, residuals = round_end(
         state.global_params, state.outer_opt_state, state.island_params,
-        weights)
+        state.residuals, weights, state.round)
     return state.replace(round=state.round + 1, global_params=new_global,
                          outer_opt_state=outer_state,
-                         island_params=island_params)
+                         island_params=island_params, residuals=residuals)
 
   return jax.jit(outer, donate_argnums=0)
 
@@ -207,13 +238,18 @@ def resize_islands(state: TrainState, num_islands: int,
   take = lambda tree: jax.tree.map(lambda y: y[:kept], tree)
   params = take(state.island_params)
   opt_state = take(state.inner_opt_state)
+  residuals = take(state.residuals)
   if added:
     new_params = _stack(state.global_params, added)
     new_opt_state = jax.vmap(inner_opt.init)(new_params)
     join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
     params = jax.tree.map(join, params, new_params)
     opt_state = jax.tree.map(join, opt_state, new_opt_state)
-  return state.replace(island_params=params, inner_opt_state=opt_state)
+    if residuals is not None:  # new islands have sent nothing yet
+      residuals = jax.tree.map(
+          join, residuals, _zero_residuals(state.global_params, added))
+  return state.replace(island_params=params, inner_opt_state=opt_state,
+                       residuals=residuals)
 
 
 def evaluation_params(state: TrainState, mode: str):

@@ -100,15 +100,24 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
   """
   current_shapes = checkpointing.param_shapes_record(
       abstract_state.global_params)
+  current_layout = checkpointing.state_layout_record(abstract_state)
   target_shardings = diloco.state_shardings(abstract_state, mesh)
 
   def restore(step, meta):
+    where = f"checkpoint {checkpointer.directory}/{step}"
     mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
                                             current_shapes)
     if mismatch:
       raise checkpointing.IncompatibleCheckpointError(
-          f"checkpoint {checkpointer.directory}/{step} was written for another"
-          f" model: {mismatch} (config.model differs)")
+          f"{where} was written for another model: {mismatch} "
+          "(config.model differs)")
+    mismatch = checkpointing.layout_mismatch(meta["state_layout"],
+                                             current_layout)
+    if mismatch:
+      raise checkpointing.IncompatibleCheckpointError(
+          f"{where} has another state layout: {mismatch} (config.diloco."
+          "outer_optimizer, config.inner_optimizer or "
+          "config.diloco.error_feedback differs)")
     saved_islands = meta["islands"]
     if saved_islands == islands:
       return checkpointer.restore_state(
@@ -177,7 +186,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
   codec = codecs.make_codec(config.diloco.codec,
                             config.diloco.codec_block_size)
-  init = lambda p: diloco.init_state(p, inner_opt, outer_opt, islands)
+  error_feedback = mode == "diloco" and config.diloco.error_feedback
+  init = lambda p: diloco.init_state(p, inner_opt, outer_opt, islands,
+                                     error_feedback)
   abstract_state = jax.eval_shape(init, params)
   state_shardings = diloco.state_shardings(abstract_state, mesh)
 
@@ -227,7 +238,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
           state, next_batch).compile()
   outer_step = None
   if mode == "diloco":
-    outer_step = diloco.make_outer_step(outer_opt, mesh, codec).lower(
+    outer_step = diloco.make_outer_step(
+        outer_opt, mesh, codec,
+        rounding_seed=(config.seed if config.diloco.stochastic_rounding
+                       else None)).lower(
         state, _place(np.zeros(islands, np.float32), weights_sharding)
     ).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
@@ -281,6 +295,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         "island_round_steps": island_round_steps.tolist(),
         "islands": islands, "data": data_state,
         "param_shapes": param_shapes_record,
+        "state_layout": checkpointing.state_layout_record(abstract_state),
         "config": json.loads(config.to_json_best_effort()),
     })
 

@@ -195,3 +195,96 @@ def test_training_with_a_codec_reports_its_compression(tmp_path):
   assert int8["compression_vs_ddp"] == pytest.approx(
       int8["ddp_comm_bytes"] / int8["comm_bytes"])
   assert abs(int8["final_eval_loss"] - fp32["final_eval_loss"]) < 0.05
+
+
+def test_error_feedback_conserves_mass_over_rounds():
+  """sum of what was sent + the residual left = sum of the inputs."""
+  islands, rounds = 2, 4
+  mesh = mesh_lib.build_mesh(islands)
+  codec = codecs.make_codec("int4", block_size=64)
+
+  def round_trip(g, e):
+    v = g[0] + e[0]
+    _, sent = communication.island_mean(v, jnp.float32(1.0), codec=codec,
+                                        return_sent=True)
+    return sent[None], (v - sent)[None]
+
+  step = jax.jit(jax.shard_map(round_trip, mesh=mesh,
+                               in_specs=(P("island"), P("island")),
+                               out_specs=(P("island"), P("island"))))
+  rng = np.random.default_rng(0)
+  inputs = rng.standard_normal((rounds, islands, 1000)).astype(np.float32)
+  residual = np.zeros((islands, 1000), np.float32)
+  total_sent = np.zeros_like(residual)
+  for g in inputs:
+    sent, residual = step(g, residual)
+    total_sent += np.asarray(sent)
+    residual = np.asarray(residual)
+  assert np.abs(residual).max() > 1e-3  # int4 really left something behind
+  np.testing.assert_allclose(total_sent + residual, inputs.sum(axis=0),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_error_feedback_residuals_live_in_the_state():
+  islands = 2
+  params, loss_fn = helpers.tiny_problem()
+  params = jax.tree.map(np.array, params)
+  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
+  mesh = mesh_lib.build_mesh(islands)
+  codec = codecs.make_codec("int4", block_size=64)
+  final = {}
+  for error_feedback in (False, True):
+    state = diloco.init_state(params, inner_opt, outer_opt, islands,
+                              error_feedback=error_feedback)
+    state = jax.device_put(state, diloco.state_shardings(state, mesh))
+    batch = jax.device_put(helpers.random_batches(1, islands, 2)[0],
+                           NamedSharding(mesh, diloco.BATCH_SPEC))
+    state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
+    final[error_feedback] = diloco.make_outer_step(outer_opt, mesh, codec)(
+        state, jax.device_put(jnp.ones(islands),
+                              NamedSharding(mesh, P("island"))))
+  assert final[False].residuals is None
+  residual_leaves = jax.tree.leaves(final[True].residuals)
+  assert residual_leaves[0].shape[0] == islands
+  assert max(float(jnp.abs(r).max()) for r in residual_leaves) > 0
+  # Both runs sent the same first round: the residual starts at zero.
+  helpers.assert_trees_close(final[True].global_params,
+                             final[False].global_params, rtol=0, atol=0)
+
+
+def test_resume_with_codec_state_is_exact(tmp_path):
+  import os, shutil  # pylint: disable=g-import-not-at-top,multiple-imports
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  from tests import test_checkpoint  # pylint: disable=g-import-not-at-top
+
+  def config():
+    c = tiny.get_config()
+    c.total_steps, c.diloco.inner_steps = 12, 3
+    c.diloco.codec, c.diloco.error_feedback = "int8", True
+    c.diloco.stochastic_rounding = True
+    c.checkpoint.max_to_keep = 20
+    return c
+
+  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+  train.train_and_evaluate(config(), whole)
+  train.train_and_evaluate(config(), resumed)
+  # Forget everything after round 2, as if killed there, and resume.
+  for step in ("9", "12"):
+    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
+  os.remove(os.path.join(resumed, "summary.json"))
+  train.train_and_evaluate(config(), resumed)
+  test_checkpoint._assert_identical_runs(whole, resumed)
+
+
+def test_toggling_error_feedback_is_an_incompatible_checkpoint(tmp_path):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from diloco_jax import checkpointing, train  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.total_steps = 4
+  train.train_and_evaluate(config, str(tmp_path))
+  config.total_steps = 8
+  config.diloco.error_feedback = True
+  with pytest.raises(checkpointing.IncompatibleCheckpointError,
+                     match="residuals"):
+    train.train_and_evaluate(config, str(tmp_path))
