@@ -17,6 +17,7 @@ COLUMNS = (
     ("mode", lambda s, d: s["mode"]),
     ("islands", lambda s, d: s["islands"]),
     ("H", lambda s, d: s["inner_steps"] if s["mode"] == "diloco" else "-"),
+    ("codec", lambda s, d: s.get("codec", "fp32")),
     ("tokens", lambda s, d: f"{s['tokens_seen'] / 1e6:.2f}M"),
     ("eval loss", lambda s, d: f"{s['final_eval_loss']:.4f}"),
     ("bits/byte", lambda s, d: (f"{s['final_eval_bits_per_byte']:.3f}"
