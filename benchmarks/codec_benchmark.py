@@ -39,7 +39,6 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", _ISLANDS.value)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from configs import c4_150m  # pylint: disable=g-import-not-at-top
@@ -89,7 +88,6 @@ def main(argv):
     print(f"  {name:5s} {seconds * 1e3:8.1f} ms ({seconds / baseline:4.2f}x "
           f"fp32)  sends {sent / 1e6:8.1f} MB per island "
           f"({fp32_bytes / sent:4.2f}x less than fp32)")
-  del np
 
 
 if __name__ == "__main__":
