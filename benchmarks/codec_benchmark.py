@@ -59,7 +59,6 @@ def main(argv):
                               _REPEATS.value)
     print(f"  {name:5s} {seconds * 1e3:8.1f} ms  "
           f"{x.nbytes / seconds / 1e9:6.2f} GB/s of float32")
-  del x
 
   islands = _ISLANDS.value
   mesh = mesh_lib.build_mesh(islands)
