@@ -30,11 +30,17 @@ def param_shapes_record(params) -> dict:
 def state_layout_record(state) -> list[str]:
   """The key paths of every leaf of a TrainState (structure, not shapes).
 
-  The layout changes with the optimizers and with error feedback; shapes of
-  per-island leaves change with the island count, which resuming allows.
+  The layout changes with the optimizers, error feedback and the codec;
+  shapes of per-island leaves change with the island count, which resuming
+  allows, so only the codec state's (replicated) shapes are recorded.
   """
-  return sorted(jax.tree_util.keystr(path) for path, _ in
-                jax.tree_util.tree_flatten_with_path(state)[0])
+  record = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    name = jax.tree_util.keystr(path)
+    if name.startswith(".codec_state"):
+      name += " " + str(tuple(leaf.shape))
+    record.append(name)
+  return sorted(record)
 
 
 def layout_mismatch(saved: list[str], current: list[str]) -> str | None:

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4")
+DENSE_CODECS = ("fp32", "bf16", "fp16", "int8", "int4")
 
 # fp16's largest finite value is 65504; mapping a block's absmax to 2^14
 # leaves headroom for the sum of a few islands' payloads after decoding.
@@ -35,7 +35,7 @@ class DenseCodec:
   `block_size`.
 
   Attributes:
-    name: one of CODECS.
+    name: one of DENSE_CODECS.
     block_size: values per scale for the blockwise codecs.
   """
   name: str
@@ -117,8 +117,8 @@ def _unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def make_codec(name: str, block_size: int = 256) -> DenseCodec:
-  """The codec called `name` (see CODECS)."""
-  if name not in CODECS:
-    raise ValueError(f"config.diloco.codec={name!r} is not one of {CODECS}")
+  """The codec called `name` (see DENSE_CODECS)."""
+  if name not in DENSE_CODECS:
+    raise ValueError(f"config.diloco.codec={name!r} is not one of {DENSE_CODECS}")
   return DenseCodec(name, block_size)
 

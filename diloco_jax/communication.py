@@ -1,20 +1,23 @@
-"""The one communication boundary: every cross-island reduction goes here.
+"""The one communication boundary: every cross-island collective goes here.
 
-`island_mean` runs inside a shard_map over the 'island' axis and is the only
-place the program crosses the slow link; `island_mean_bytes` says how many
-bytes one island sends for it. Codecs, the active-island mask and the choice
-of communication devices plug in here and nowhere else.
+Everything here runs inside a shard_map over the 'island' axis and is the
+only code that crosses the slow link; each collective has a companion that
+says how many bytes one island sends for it. Codecs (compression.py) are
+built from these primitives; the active-island mask and the choice of
+communication devices plug in here and nowhere else.
 
-Uncompressed (fp32) means are a psum, counted as a ring all-reduce: each of
+Uncompressed (fp32) sums are a psum, counted as a ring all-reduce: each of
 k peers sends 2(k-1) chunks of ceil(n/k) elements per array. A compressed
-mean runs the two phases of that ring with encoded chunks (DESIGN.md §1.3):
-an all_to_all of encoded chunks (reduce-scatter), decode and sum in float32,
-re-encode the reduced chunk, all_gather. Each island then sends 2(k-1)
-encoded chunks of n/k values: the codec's full ratio at any k, where an
-all-gather of whole payloads would send (k-1) payloads. One island sends
-nothing when k = 1.
+dense sum runs the two phases of that ring with encoded chunks (DESIGN.md
+§1.3): an all_to_all of encoded chunks (reduce-scatter), decode and sum in
+float32, re-encode the reduced chunk, all_gather. Each island then sends
+2(k-1) encoded chunks of n/k values: the codec's full ratio at any k, where
+an all-gather of whole payloads would send (k-1) payloads. Payloads that
+cannot be summed while encoded (sparse ones) are all-gathered and counted
+as such. One island sends nothing when k = 1.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -24,6 +27,82 @@ from jax.flatten_util import ravel_pytree
 
 from diloco_jax import codecs
 from diloco_jax.mesh import ISLAND
+
+
+def weight_share(weight, axis_name: str = ISLAND):
+  """This island's share w_i / sum_j w_j of the total weight (a psum)."""
+  return weight / jax.lax.psum(weight, axis_name)
+
+
+def weight_share_bytes(num_islands: int) -> int:
+  """Bytes one island sends for `weight_share`."""
+  return ring_allreduce_bytes(1, 4, num_islands)
+
+
+def dense_sum(values: jax.Array, axis_name: str = ISLAND,
+              codec: codecs.DenseCodec | None = None,
+              key: jax.Array | None = None):
+  """Sum over islands of a flat float32 vector, through a dense codec.
+
+  Args:
+    values: this island's contribution [n] (already weighted).
+    axis_name: the island mesh axis.
+    codec: None or fp32 for a plain psum; otherwise the compressed
+      reduce-scatter + all-gather described in the module docstring.
+    key: PRNG key for the codec's stochastic rounding (None: nearest).
+
+  Returns:
+    (sum, sent): the sum [n], identical on every island, and what this
+    island's contribution became after encoding [n].
+  """
+  if codec is None or codec.is_identity:
+    return jax.lax.psum(values, axis_name), values
+  num_islands = jax.lax.psum(1, axis_name)
+  n = values.size
+  codec = _chunk_codec(codec, n, num_islands)
+  chunk = _chunk_length(n, num_islands, codec.block_size)
+  chunks = jnp.pad(values, (0, chunk * num_islands - n)).reshape(
+      num_islands, chunk)
+  send_keys = reduce_key = None
+  if key is not None:  # independent rounding noise per chunk and phase
+    send_keys = jax.random.split(jax.random.fold_in(key, 0), num_islands)
+    reduce_key = jax.random.fold_in(key, 1)
+  # Reduce-scatter: island i receives every island's encoded chunk i and
+  # sums them in float32.
+  sent = jax.vmap(codec.encode)(chunks, send_keys)
+  received = jax.tree.map(
+      lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
+  reduced_chunk = jnp.sum(jax.vmap(codec.decode)(received), axis=0)
+  # All-gather the re-encoded reduced chunks.
+  gathered = jax.tree.map(
+      lambda p: jax.lax.all_gather(p, axis_name, axis=0),
+      codec.encode(reduced_chunk, reduce_key))
+  total = jax.vmap(codec.decode)(gathered).reshape(-1)[:n]
+  return total, jax.vmap(codec.decode)(sent).reshape(-1)[:n]
+
+
+def dense_sum_bytes(num_values: int, num_islands: int,
+                    codec: codecs.DenseCodec | None = None) -> int:
+  """Bytes one island sends for `dense_sum` of `num_values` values."""
+  if num_islands <= 1:
+    return 0
+  if codec is None or codec.is_identity:
+    return ring_allreduce_bytes(num_values, 4, num_islands)
+  codec = _chunk_codec(codec, num_values, num_islands)
+  chunk = _chunk_length(num_values, num_islands, codec.block_size)
+  # (k-1) encoded chunks out in the all_to_all, (k-1) in the all_gather.
+  return 2 * (num_islands - 1) * codec.payload_bytes(chunk)
+
+
+def gather(payload, axis_name: str = ISLAND):
+  """Every island's payload (a pytree of arrays), stacked [islands, ...]."""
+  return jax.tree.map(lambda p: jax.lax.all_gather(p, axis_name, axis=0),
+                      payload)
+
+
+def gather_bytes(payload_bytes: int, num_islands: int) -> int:
+  """Bytes one island sends in a ring all-gather of its payload."""
+  return max(num_islands - 1, 0) * payload_bytes
 
 
 def island_mean(tree, weight, axis_name: str = ISLAND,
@@ -47,66 +126,23 @@ def island_mean(tree, weight, axis_name: str = ISLAND,
     through the codec), in the leaves' own dtypes; with `return_sent`, the
     pair (mean, sent).
   """
-  if codec is not None and not codec.is_identity:
-    mean, sent = _compressed_island_mean(tree, weight, axis_name, codec, key)
-  else:
-    total_weight = jax.lax.psum(weight, axis_name)
+  share = weight_share(weight, axis_name)
+  if codec is None or codec.is_identity:
     # Accumulate in float32 whatever the leaves' dtype: summing in low
     # precision loses the small pseudo-gradients of late training.
-    weighted = jax.tree.map(lambda x: x.astype(np.float32) * weight, tree)
+    weighted = jax.tree.map(lambda x: x.astype(np.float32) * share, tree)
     summed = jax.lax.psum(weighted, axis_name)
-    mean = jax.tree.map(
-        lambda s, x: (s / total_weight).astype(x.dtype), summed, tree)
-    sent = tree
-  return (mean, sent) if return_sent else mean
-
-
-def _chunk_length(num_values: int, num_islands: int, block_size: int) -> int:
-  """Values per island chunk: n/k rounded up to whole codec blocks."""
-  return math.ceil(num_values / (num_islands * block_size)) * block_size
-
-
-def _compressed_island_mean(tree, weight, axis_name: str,
-                            codec: codecs.DenseCodec, key):
-  num_islands = jax.lax.psum(1, axis_name)
+    mean = jax.tree.map(lambda s, x: s.astype(x.dtype), summed, tree)
+    return (mean, tree) if return_sent else mean
   flat, unravel = ravel_pytree(
       jax.tree.map(lambda x: x.astype(jnp.float32), tree))
-  share = weight / jax.lax.psum(weight, axis_name)
-  n = flat.size
-  chunk = _chunk_length(n, num_islands, codec.block_size)
-  chunks = jnp.pad(flat * share, (0, chunk * num_islands - n)).reshape(
-      num_islands, chunk)
-  send_keys = reduce_key = None
-  if key is not None:  # independent rounding noise per chunk and phase
-    send_keys = jax.random.split(jax.random.fold_in(key, 0), num_islands)
-    reduce_key = jax.random.fold_in(key, 1)
-  # Reduce-scatter: island i receives every island's encoded chunk i.
-  sent = jax.vmap(codec.encode)(chunks, send_keys)
-  received = jax.tree.map(
-      lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
-  reduced_chunk = jnp.sum(jax.vmap(codec.decode)(received), axis=0)
-  # All-gather the re-encoded reduced chunks.
-  gathered = jax.tree.map(
-      lambda p: jax.lax.all_gather(p, axis_name, axis=0),
-      codec.encode(reduced_chunk, reduce_key))
-  mean = jax.vmap(codec.decode)(gathered).reshape(-1)[:n]
+  mean, sent = dense_sum(flat * share, axis_name, codec, key)
   # What this island's contribution became, back in its own units; an
   # island with no weight sent nothing.
-  sent_flat = jax.vmap(codec.decode)(sent).reshape(-1)[:n]
-  sent_flat = jnp.where(share > 0, sent_flat / jnp.where(share > 0, share, 1),
-                        0.0)
+  sent = unscale(sent, share)
   cast = lambda values: jax.tree.map(lambda v, x: v.astype(x.dtype),
                                      unravel(values), tree)
-  return cast(mean), cast(sent_flat)
-
-
-def ring_allreduce_bytes(num_elements: int, itemsize: int,
-                         num_islands: int) -> int:
-  """Bytes one peer sends in a ring all-reduce of one array."""
-  if num_islands <= 1:
-    return 0
-  chunk = math.ceil(num_elements / num_islands)
-  return 2 * (num_islands - 1) * chunk * itemsize
+  return (cast(mean), cast(sent)) if return_sent else cast(mean)
 
 
 def island_mean_bytes(tree, num_islands: int,
@@ -119,16 +155,40 @@ def island_mean_bytes(tree, num_islands: int,
     num_islands: k, the size of the 'island' axis.
     codec: as passed to island_mean.
   """
-  # The scalar weight's psum, then the values.
-  total = ring_allreduce_bytes(1, 4, num_islands)
+  total = weight_share_bytes(num_islands)
+  sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree)]
   if codec is not None and not codec.is_identity:
-    if num_islands <= 1:
-      return 0
-    n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
-    chunk = _chunk_length(n, num_islands, codec.block_size)
-    # (k-1) encoded chunks out in the all_to_all, (k-1) in the all_gather.
-    return total + 2 * (num_islands - 1) * codec.payload_bytes(chunk)
-  # Values are reduced in float32 (see island_mean).
-  for leaf in jax.tree.leaves(tree):
-    total += ring_allreduce_bytes(int(np.prod(leaf.shape)), 4, num_islands)
-  return total
+    return total + dense_sum_bytes(sum(sizes), num_islands, codec)
+  # Values are reduced in float32, one all-reduce per leaf.
+  return total + sum(ring_allreduce_bytes(n, 4, num_islands) for n in sizes)
+
+
+def unscale(sent: jax.Array, share) -> jax.Array:
+  """Divides what an island sent by its weight share (0 where it has none)."""
+  return jnp.where(share > 0, sent / jnp.where(share > 0, share, 1), 0.0)
+
+
+def _chunk_length(num_values: int, num_islands: int, block_size: int) -> int:
+  """Values per island chunk: n/k rounded up to whole codec blocks."""
+  return math.ceil(num_values / (num_islands * block_size)) * block_size
+
+
+def _chunk_codec(codec: codecs.DenseCodec, num_values: int,
+                 num_islands: int) -> codecs.DenseCodec:
+  """The codec with blocks no longer than one island's chunk.
+
+  Small vectors (low-rank factors) would otherwise be padded to k whole
+  blocks; a shorter block keeps the padding under one even-sized block.
+  """
+  per_island = math.ceil(num_values / num_islands)
+  block = min(codec.block_size, per_island + per_island % 2)
+  return dataclasses.replace(codec, block_size=max(block, 2))
+
+
+def ring_allreduce_bytes(num_elements: int, itemsize: int,
+                         num_islands: int) -> int:
+  """Bytes one peer sends in a ring all-reduce of one array."""
+  if num_islands <= 1:
+    return 0
+  chunk = math.ceil(num_elements / num_islands)
+  return 2 * (num_islands - 1) * chunk * itemsize

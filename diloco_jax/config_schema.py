@@ -23,13 +23,28 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco = ml_collections.ConfigDict()
   c.diloco.islands = 4  # k; ddp uses them as data-parallel workers
   c.diloco.inner_steps = 50  # H
-  # How pseudo-gradients cross the island link (see codecs.py): 'fp32' |
-  # 'bf16' | 'fp16' | 'int8' | 'int4'; blockwise codecs use one scale per block.
+  # How pseudo-gradients cross the island link (see compression.py). Dense:
+  # 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' (blockwise codecs use one
+  # scale per block). Per matrix: 'sign_prune' | 'topk' | 'lowrank' |
+  # 'adaptive_lowrank', with vectors and small tensors sent by
+  # fallback_codec.
   c.diloco.codec = "fp32"
   c.diloco.codec_block_size = 256
   c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False
+  c.diloco.fallback_codec = "int8"  # a dense codec
+  c.diloco.prune_rate = 0.5  # sign_prune: fraction of each neuron dropped
+  c.diloco.topk_fraction = 0.01  # topk: fraction of each matrix kept
+  c.diloco.lowrank = ml_collections.ConfigDict()
+  c.diloco.lowrank.rank = 4  # lowrank (float32 factors)
+  # adaptive_lowrank: per matrix and round, the smallest rank of the ladder
+  # min_rank, 2 min_rank, ..., max_rank keeping energy_fraction of the energy;
+  # factors sent through factor_codec (a dense codec).
+  c.diloco.lowrank.min_rank = 8
+  c.diloco.lowrank.max_rank = 48
+  c.diloco.lowrank.energy_fraction = 0.9
+  c.diloco.lowrank.factor_codec = "int4"
   c.diloco.outer_optimizer = ml_collections.ConfigDict()
   c.diloco.outer_optimizer.name = "nesterov"  # see OUTER_OPTIMIZERS
   c.diloco.outer_optimizer.learning_rate = 0.7

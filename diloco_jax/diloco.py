@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import codecs
 from diloco_jax import communication
+from diloco_jax import compression as compression_lib
 from diloco_jax.mesh import DATA, ISLAND
 
 LossFn = Callable[[Any, jax.Array], jax.Array]  # (params, sequences) -> loss
@@ -38,6 +38,8 @@ class TrainState(flax.struct.PyTreeNode):
     inner_opt_state: the inner optimizers' states, stacked the same way.
     residuals: error feedback: per island, the part of its pseudo-gradients
       the codec has not sent yet (stacked like island_params), or None.
+    codec_state: what the codec carries across rounds (replicated; the
+      low-rank codecs' warm-start bases and ranks), or None.
   """
   step: jax.Array
   round: jax.Array
@@ -46,6 +48,7 @@ class TrainState(flax.struct.PyTreeNode):
   island_params: Any
   inner_opt_state: Any
   residuals: Any = None
+  codec_state: Any = None
 
 
 def _stack(tree, n: int):
@@ -59,10 +62,19 @@ def _zero_residuals(params, num_islands: int):
 
 def init_state(params, inner_opt: optax.GradientTransformation,
                outer_opt: optax.GradientTransformation,
-               num_islands: int, error_feedback: bool = False) -> TrainState:
-  """Every island starts from the same params with a fresh inner state."""
+               num_islands: int, error_feedback: bool = False,
+               compression: compression_lib.Compression | None = None,
+               seed: int = 0) -> TrainState:
+  """Every island starts from the same params with a fresh inner state.
+
+  With `error_feedback` the state holds zero residuals; with a `compression`
+  that keeps state, its initial codec state (seeded by `seed`).
+  """
   island_params = _stack(params, num_islands)
   return TrainState(
+      codec_state=(None if compression is None else
+                   compression_lib.init_codec_state(params, compression,
+                                                    seed)),
       residuals=(_zero_residuals(params, num_islands) if error_feedback
                  else None),
       step=jnp.zeros((), jnp.int32),
@@ -85,6 +97,7 @@ def state_partition_specs(state: TrainState) -> TrainState:
       island_params=per_island(state.island_params),
       inner_opt_state=per_island(state.inner_opt_state),
       residuals=per_island(state.residuals),
+      codec_state=replicated(state.codec_state),
   )
 
 
@@ -157,11 +170,11 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
-                    codec: codecs.DenseCodec | None = None,
-                    rounding_seed: int | None = None):
-  """Builds the jitted outer step: one program, one cross-island collective.
+                    compression=None, rounding_seed: int | None = None):
+  """Builds the jitted outer step: one program holding the collective.
 
-  `codec` says how pseudo-gradients cross the island link (None: fp32). When
+  `compression` (a compression.Compression, a codecs.DenseCodec, or None
+  for fp32) says how pseudo-gradients cross the island link; its codec state, if any, lives in the TrainState. When
   the state carries residuals, error feedback adds each island's residual to
   its pseudo-gradient and keeps what the codec did not send. With
   `rounding_seed` the codec rounds stochastically, with noise derived from
@@ -172,8 +185,10 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
+  compression = compression_lib.as_compression(compression)
+
   def island_round_end(global_params, outer_state, island_params, residuals,
-                       weight, round_index):
+                       codec_state, weight, round_index):
     local = _squeeze_island(island_params)
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, local)
     if residuals is not None:
@@ -184,8 +199,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
       key = jax.random.fold_in(
           jax.random.fold_in(jax.random.key(rounding_seed), round_index),
           jax.lax.axis_index(ISLAND))
-    mean_pseudo_grad, sent = communication.island_mean(
-        pseudo_grad, weight[0], codec=codec, key=key, return_sent=True)
+    mean_pseudo_grad, sent, codec_state = compression_lib.island_mean(
+        pseudo_grad, weight[0], compression, codec_state, key)
     if residuals is not None:
       residuals = _unsqueeze_island(
           jax.tree.map(jnp.subtract, pseudo_grad, sent))
@@ -193,7 +208,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
         mean_pseudo_grad, outer_state, global_params)
     new_global = optax.apply_updates(global_params, updates)
     return (new_global, outer_state, _unsqueeze_island(new_global),
-            residuals)
+            residuals, codec_state)
 
   def outer(state: TrainState, weights: jax.Array):
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
@@ -203,22 +218,26 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
         in_specs=(replicated(state.global_params),
                   replicated(state.outer_opt_state),
                   island_spec(state.island_params),
-                  island_spec(state.residuals), P(ISLAND), P()),
+                  island_spec(state.residuals),
+                  replicated(state.codec_state), P(ISLAND), P()),
         out_specs=(replicated(state.global_params),
                    replicated(state.outer_opt_state),
                    island_spec(state.island_params),
-                   island_spec(state.residuals)),
+                   island_spec(state.residuals),
+                   replicated(state.codec_state)),
         # A compressed mean ends in an all_gather, whose result is the same
         # on every island but is typed as varying; the replicated out_specs
         # are right by construction (tests check islands agree bit for bit).
-        check_vma=codec is None or codec.is_identity,
+        check_vma=compression.is_identity,
     )
-    new_global, outer_state, island_params, residuals = round_end(
-        state.global_params, state.outer_opt_state, state.island_params,
-        state.residuals, weights, state.round)
+    new_global, outer_state, island_params, residuals, codec_state = (
+        round_end(state.global_params, state.outer_opt_state,
+                  state.island_params, state.residuals, state.codec_state,
+                  weights, state.round))
     return state.replace(round=state.round + 1, global_params=new_global,
                          outer_opt_state=outer_state,
-                         island_params=island_params, residuals=residuals)
+                         island_params=island_params, residuals=residuals,
+                         codec_state=codec_state)
 
   return jax.jit(outer, donate_argnums=0)
 

@@ -24,7 +24,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import checkpointing
-from diloco_jax import codecs
+from diloco_jax import compression as compression_lib
 from diloco_jax import communication
 from diloco_jax import diloco
 from diloco_jax import flops
@@ -76,6 +76,14 @@ def _ratio(numerator: float, denominator: float) -> float | None:
   return numerator / denominator if denominator else None
 
 
+def _mean_rank(compression, codec_state) -> float | None:
+  """The low-rank codecs' mean rank over factored matrices this round."""
+  indices = compression_lib.rank_indices(codec_state)
+  if not indices:
+    return None
+  return float(np.mean([compression.ranks[i] for i in indices]))
+
+
 def _mean_loss(evaluate, state, eval_arrays) -> float:
   return float(np.mean(jax.device_get([evaluate(state, b)
                                        for b in eval_arrays])))
@@ -116,8 +124,8 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
     if mismatch:
       raise checkpointing.IncompatibleCheckpointError(
           f"{where} has another state layout: {mismatch} (config.diloco."
-          "outer_optimizer, config.inner_optimizer or "
-          "config.diloco.error_feedback differs)")
+          "outer_optimizer, config.inner_optimizer, config.diloco.codec "
+          "settings or config.diloco.error_feedback differ)")
     saved_islands = meta["islands"]
     if saved_islands == islands:
       return checkpointer.restore_state(
@@ -184,11 +192,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   loss_fn = functools.partial(model_lib.next_token_loss, graphdef)
   inner_opt = optimizers.inner_optimizer(config.inner_optimizer, total_steps)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-  codec = codecs.make_codec(config.diloco.codec,
-                            config.diloco.codec_block_size)
+  compression = compression_lib.from_config(config.diloco)
   error_feedback = mode == "diloco" and config.diloco.error_feedback
-  init = lambda p: diloco.init_state(p, inner_opt, outer_opt, islands,
-                                     error_feedback)
+  init = lambda p: diloco.init_state(
+      p, inner_opt, outer_opt, islands, error_feedback,
+      compression if mode == "diloco" else None, seed=config.seed)
   abstract_state = jax.eval_shape(init, params)
   state_shardings = diloco.state_shardings(abstract_state, mesh)
 
@@ -239,7 +247,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   outer_step = None
   if mode == "diloco":
     outer_step = diloco.make_outer_step(
-        outer_opt, mesh, codec,
+        outer_opt, mesh, compression,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
                        else None)).lower(
         state, _place(np.zeros(islands, np.float32), weights_sharding)
@@ -258,8 +266,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
   # DDP all-reduces float32 gradients; DiLoCo sends pseudo-gradients
   # through the codec.
   ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands)
-  sync_bytes = (communication.island_mean_bytes(param_shapes, islands, codec)
-                if mode == "diloco" else ddp_step_bytes)
+
+  def sync_bytes(state) -> int:
+    """Bytes one island sends in this round's sync (the low-rank codecs'
+    ranks are in the state, chosen last round)."""
+    if mode != "diloco":
+      return ddp_step_bytes
+    return compression_lib.mean_bytes(
+        param_shapes, islands, compression,
+        compression_lib.rank_indices(state.codec_state))
+
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
   tokens_per_island_step = batch_size * seq_len
   learning_rates = np.asarray(jax.vmap(
@@ -268,7 +284,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   byte_level = config.data.tokenizer == "byte"
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                mode, islands, inner_steps, f"{num_params:,}",
-               islands * tokens_per_island_step, sync_bytes / 1e6)
+               islands * tokens_per_island_step, sync_bytes(state) / 1e6)
 
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
@@ -282,6 +298,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   tokens_seen = meta.get("tokens_seen", 0)
   comm_bytes = meta.get("comm_bytes", 0)
   ddp_comm_bytes = meta.get("ddp_comm_bytes", 0)
+  # What the syncs so far would have sent uncompressed.
+  fp32_comm_bytes = meta.get("fp32_comm_bytes", 0)
   island_round_steps = np.zeros(islands, np.int64)  # steps since last sync
   saved_round_steps = meta.get("island_round_steps", [])[:islands]
   island_round_steps[:len(saved_round_steps)] = saved_round_steps
@@ -292,6 +310,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     checkpointer.save(step, state, {
         "step": step, "rounds_done": rounds_done, "tokens_seen": tokens_seen,
         "comm_bytes": comm_bytes, "ddp_comm_bytes": ddp_comm_bytes,
+        "fp32_comm_bytes": fp32_comm_bytes,
         "island_round_steps": island_round_steps.tolist(),
         "islands": islands, "data": data_state,
         "param_shapes": param_shapes_record,
@@ -305,7 +324,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
     return record
 
-  island_mean_loss = None
+  island_mean_loss = rank = None
   writer.start_clock(tokens_seen)
   train_start = time.perf_counter()
   pending = None  # the previous step's record, finished one step late
@@ -317,7 +336,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     tokens_seen += islands * tokens_per_island_step
     ddp_comm_bytes += ddp_step_bytes
     if mode == "ddp":
-      comm_bytes += sync_bytes
+      comm_bytes += ddp_step_bytes
+      fp32_comm_bytes += ddp_step_bytes
     if step < total_steps:  # prepare the next batch while this step runs
       next_batch = _place(batches.next_batch(), batch_sharding)
     if pending is not None:
@@ -330,9 +350,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
       if outer_step is not None:
         # Islands are weighted by the tokens they processed this round.
         weights = island_round_steps * tokens_per_island_step * island_shares
+        round_bytes = sync_bytes(state)
+        rank = _mean_rank(compression, state.codec_state)
         state = outer_step(state, _place(weights.astype(np.float32),
                                          weights_sharding))
-        comm_bytes += sync_bytes
+        comm_bytes += round_bytes
+        fp32_comm_bytes += ddp_step_bytes
       rounds_done += 1
       island_round_steps[:] = 0
     record = {
@@ -348,6 +371,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
       record.update(_eval_record(eval_loss, byte_level))
       if evaluate_island_mean is not None:
         record["eval_loss_island_mean"] = island_mean_loss
+      if outer_step is not None and rank is not None:
+        record["codec_mean_rank"] = rank
       writer.write(finish_record(*pending))
       pending = None
     if _checkpoint_due(step, round_ended, rounds_done, total_steps,
@@ -377,8 +402,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
       "comm_bytes": comm_bytes,
       "ddp_comm_bytes": ddp_comm_bytes,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
-      # What the codec saves on one sync, and what DiLoCo saves against DDP.
-      "compression_vs_fp32": _ratio(ddp_step_bytes, sync_bytes),
+      # What the codec saved on the syncs, and what it saved against DDP.
+      "compression_vs_fp32": _ratio(fp32_comm_bytes, comm_bytes),
       "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
       "compile_s": compile_s,
       "train_s": train_s,

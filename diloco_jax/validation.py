@@ -6,6 +6,7 @@ untouched.
 """
 
 from diloco_jax import codecs
+from diloco_jax import compression
 from diloco_jax import config_schema
 from diloco_jax.data import corpus as corpus_lib
 
@@ -83,17 +84,7 @@ def validate_config(config, num_devices: int) -> None:
       f"islands x mesh.data = {eval_shards}",
   )
 
-  _require(
-      config.diloco.codec in codecs.CODECS,
-      f"config.diloco.codec={config.diloco.codec!r} is not one of "
-      f"{codecs.CODECS}",
-  )
-  _positive_int(config, "diloco.codec_block_size")
-  _require(
-      config.diloco.codec_block_size % 2 == 0,
-      f"config.diloco.codec_block_size={config.diloco.codec_block_size} must "
-      "be even (int4 packs two values per byte)",
-  )
+  _validate_compression(config)
   outer = config.diloco.outer_optimizer
   _require(
       outer.name in config_schema.OUTER_OPTIMIZERS,
@@ -137,4 +128,41 @@ def validate_config(config, num_devices: int) -> None:
       f"config.model.vocab_size={config.model.vocab_size} is smaller than the"
       f" corpus vocabulary ({corpus_vocab} for corpus "
       f"{config.data.corpus!r})",
+  )
+
+
+def _validate_compression(config) -> None:
+  diloco = config.diloco
+  _require(
+      diloco.codec in compression.CODECS,
+      f"config.diloco.codec={diloco.codec!r} is not one of "
+      f"{compression.CODECS}",
+  )
+  _positive_int(config, "diloco.codec_block_size")
+  _require(
+      diloco.codec_block_size % 2 == 0,
+      f"config.diloco.codec_block_size={diloco.codec_block_size} must "
+      "be even (int4 packs two values per byte)",
+  )
+  for field in ("fallback_codec", "lowrank.factor_codec"):
+    value = diloco.lowrank.factor_codec if "." in field else diloco[field]
+    _require(
+        value in codecs.DENSE_CODECS,
+        f"config.diloco.{field}={value!r} is not one of "
+        f"{codecs.DENSE_CODECS}",
+    )
+  for field, value in (("prune_rate", diloco.prune_rate),
+                       ("topk_fraction", diloco.topk_fraction),
+                       ("lowrank.energy_fraction",
+                        diloco.lowrank.energy_fraction)):
+    _require(
+        isinstance(value, (int, float)) and 0 < value < 1,
+        f"config.diloco.{field}={value!r} must be in (0, 1)",
+    )
+  for name in ("rank", "min_rank", "max_rank"):
+    _positive_int(config, f"diloco.lowrank.{name}")
+  _require(
+      diloco.lowrank.min_rank <= diloco.lowrank.max_rank,
+      f"config.diloco.lowrank.min_rank={diloco.lowrank.min_rank} exceeds "
+      f"config.diloco.lowrank.max_rank={diloco.lowrank.max_rank}",
   )

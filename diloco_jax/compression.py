@@ -1,0 +1,362 @@
+"""Codecs over pytrees: how a whole pseudo-gradient crosses the island link.
+
+Dense codecs (fp32, bf16, fp16, int8, int4; see codecs.py) encode the whole
+flattened tree and reduce it with a compressed reduce-scatter + all-gather.
+Structured codecs work on each matrix (a tensor of rank >= 2, viewed as
+[rows, cols] by lowrank.matrix_view); vectors and tensors too small to gain
+go through the `fallback` dense codec:
+
+  sign_prune        per neuron (column), keep the (1 - prune_rate) largest
+                    magnitudes; merge as TIES-merging does: elect each
+                    coordinate's sign by weighted mass, average the
+                    islands that agree with it. Payload: values + positions,
+                    all-gathered.
+  topk              per matrix, keep the topk_fraction largest magnitudes;
+                    merge by weighted sum. Payload: values + positions,
+                    all-gathered.
+  lowrank           one warm-started power-iteration step at a fixed rank
+                    (PowerSGD); float32 factors, all-reduced.
+  adaptive_lowrank  the same, with each matrix's rank chosen every round
+                    from [min_rank, max_rank] to keep energy_fraction of
+                    the energy, and factors sent through `factor_codec`
+                    (int8/int4) in a compressed all-reduce.
+
+Every codec returns what each island's contribution became after encoding
+(for error feedback) and runs inside the one jitted outer step; byte counts
+mirror the collectives exactly (`mean_bytes`).
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from diloco_jax import codecs
+from diloco_jax import communication
+from diloco_jax import lowrank
+from diloco_jax import sparse
+from diloco_jax.mesh import ISLAND
+
+STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
+CODECS = codecs.DENSE_CODECS + STRUCTURED_CODECS
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+  """A codec over pytrees and its settings (built by `from_config`).
+
+  Attributes:
+    name: one of CODECS.
+    dense: for a dense codec, the codec of the whole tree; for a structured
+      one, the fallback codec of its vectors and small tensors.
+    prune_rate: sign_prune: the fraction of each neuron's values dropped.
+    topk_fraction: topk: the fraction of each matrix's values kept.
+    ranks: low-rank codecs: the candidate ranks, ascending (one for lowrank).
+    energy_fraction: adaptive_lowrank: the energy each matrix's rank keeps.
+    factor_codec: low-rank codecs: how the factors cross the link.
+  """
+  name: str
+  dense: codecs.DenseCodec
+  prune_rate: float = 0.5
+  topk_fraction: float = 0.01
+  ranks: tuple[int, ...] = (4,)
+  energy_fraction: float = 0.9
+  factor_codec: codecs.DenseCodec = codecs.DenseCodec("fp32")
+
+  @property
+  def is_dense(self) -> bool:
+    return self.name in codecs.DENSE_CODECS
+
+  @property
+  def is_lowrank(self) -> bool:
+    return self.name in ("lowrank", "adaptive_lowrank")
+
+  @property
+  def is_identity(self) -> bool:
+    return self.is_dense and self.dense.is_identity
+
+  def is_structured_leaf(self, shape) -> bool:
+    """Whether a leaf of this shape goes through the structured codec."""
+    if self.is_dense or len(shape) < 2:
+      return False
+    rows, cols = lowrank.matrix_view(shape)
+    if self.is_lowrank:
+      # Worth factoring only if the largest rank's factors save at least a
+      # quarter of the matrix.
+      max_rank = self.ranks[-1]
+      return (max_rank <= min(rows, cols)
+              and 4 * max_rank * (rows + cols) <= 3 * rows * cols)
+    return True
+
+
+def from_config(diloco_config) -> Compression:
+  """The Compression described by config.diloco (see config_schema)."""
+  c = diloco_config
+  block = c.codec_block_size
+  if c.codec in codecs.DENSE_CODECS:
+    return Compression(c.codec, codecs.make_codec(c.codec, block))
+  fallback = codecs.make_codec(c.fallback_codec, block)
+  if c.codec == "lowrank":
+    return Compression(c.codec, fallback, ranks=(c.lowrank.rank,))
+  if c.codec == "adaptive_lowrank":
+    return Compression(
+        c.codec, fallback,
+        ranks=lowrank.rank_ladder(c.lowrank.min_rank, c.lowrank.max_rank),
+        energy_fraction=c.lowrank.energy_fraction,
+        factor_codec=codecs.make_codec(c.lowrank.factor_codec, block))
+  return Compression(c.codec, fallback, prune_rate=c.prune_rate,
+                     topk_fraction=c.topk_fraction)
+
+
+def as_compression(codec) -> Compression:
+  """`codec` as a Compression: None is fp32, a DenseCodec covers the tree."""
+  if codec is None:
+    return Compression("fp32", codecs.DenseCodec("fp32"))
+  if isinstance(codec, codecs.DenseCodec):
+    return Compression(codec.name, codec)
+  return codec
+
+
+def init_codec_state(params, compression: Compression, seed: int = 0):
+  """The codec's replicated state, or None for codecs that keep none.
+
+  Low-rank codecs keep, per factored matrix (in tree-leaf order), the
+  warm-start basis [cols, max_rank] and the ladder index of the rank to use
+  next round (starting at the top).
+  """
+  if not compression.is_lowrank:
+    return None
+  keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params)))
+  state = []
+  for key, leaf in zip(keys, jax.tree.leaves(params)):
+    if compression.is_structured_leaf(leaf.shape):
+      _, cols = lowrank.matrix_view(leaf.shape)
+      state.append({
+          "basis": lowrank.initial_basis(key, cols, compression.ranks[-1]),
+          "rank_index": jnp.array(len(compression.ranks) - 1, jnp.int32)})
+  return tuple(state)
+
+
+def island_mean(tree, weight, compression: Compression, codec_state=None,
+                key: jax.Array | None = None, axis_name: str = ISLAND):
+  """Weighted mean of `tree` over the islands through `compression`.
+
+  Must be called inside a shard_map that names `axis_name`.
+
+  Args:
+    tree: this island's pytree (e.g. its pseudo-gradient plus residual).
+    weight: this island's scalar weight (0 if it sends nothing).
+    compression: the codec.
+    codec_state: as made by init_codec_state (replicated).
+    key: PRNG key for stochastic rounding, or None for round to nearest.
+    axis_name: the island mesh axis.
+
+  Returns:
+    (mean, sent, codec_state): the mean, identical on every island; what
+    this island's contribution became after encoding, in `tree`'s units;
+    and the codec's state for the next round.
+  """
+  if compression.is_dense:
+    mean, sent = communication.island_mean(
+        tree, weight, axis_name, compression.dense, key, return_sent=True)
+    return mean, sent, codec_state
+  leaves, treedef = jax.tree.flatten(tree)
+  share = communication.weight_share(weight, axis_name)
+  structured = [compression.is_structured_leaf(x.shape) for x in leaves]
+  leaf_key = lambda i: None if key is None else jax.random.fold_in(key, i)
+  means, sents = list(leaves), list(leaves)
+  # Vectors and small tensors: one dense collective for all of them.
+  small = [i for i, s in enumerate(structured) if not s]
+  if small:
+    flat, unravel = ravel_pytree([leaves[i].astype(jnp.float32)
+                                  for i in small])
+    total, sent = communication.dense_sum(flat * share, axis_name,
+                                          compression.dense,
+                                          leaf_key(len(leaves)))
+    for i, m, s in zip(small, unravel(total),
+                       unravel(communication.unscale(sent, share))):
+      means[i], sents[i] = m, s
+  new_state = []
+  matrices = [i for i, s in enumerate(structured) if s]
+  if matrices and compression.name == "sign_prune":
+    island_shares = communication.gather(share, axis_name)  # [k]
+  for j, i in enumerate(matrices):
+    x = leaves[i]
+    m = x.astype(jnp.float32).reshape(lowrank.matrix_view(x.shape))
+    if compression.is_lowrank:
+      mean, sent, leaf_state = _lowrank_mean(
+          m, share, codec_state[j], compression, leaf_key(i), axis_name)
+      new_state.append(leaf_state)
+    elif compression.name == "topk":
+      mean, sent = _topk_mean(m, share, compression, axis_name)
+    else:
+      mean, sent = _sign_prune_mean(m, island_shares, compression,
+                                    axis_name)
+    means[i], sents[i] = mean.reshape(x.shape), sent.reshape(x.shape)
+  cast = lambda values: jax.tree.unflatten(
+      treedef, [v.astype(x.dtype) for v, x in zip(values, leaves)])
+  return (cast(means), cast(sents),
+          tuple(new_state) if compression.is_lowrank else codec_state)
+
+
+def _topk_mean(m, share, compression: Compression, axis_name: str):
+  x = m.reshape(-1)
+  keep = sparse.keep_count(x.size, compression.topk_fraction)
+  positions = sparse.select_largest(x, keep)
+  values = x[positions]
+  gathered = communication.gather(
+      {"positions": sparse.encode_positions(positions, x.size),
+       "values": values * share}, axis_name)
+  all_positions = jax.vmap(
+      lambda p: sparse.decode_positions(p, x.size, keep))(
+          gathered["positions"])
+  mean = jnp.zeros_like(x).at[all_positions.reshape(-1)].add(
+      gathered["values"].reshape(-1))
+  sent = jnp.zeros_like(x).at[positions].set(values)
+  return mean, sent
+
+
+def _sign_prune_mean(m, island_shares, compression: Compression,
+                     axis_name: str):
+  # A neuron is a column (output feature); prune among its incoming values.
+  neurons = m.T  # [cols, rows]
+  cols, rows = neurons.shape
+  keep = sparse.keep_count(rows, 1.0 - compression.prune_rate)
+  positions = jax.vmap(sparse.select_largest, (0, None))(neurons, keep)
+  values = jnp.take_along_axis(neurons, positions, axis=1)
+  gathered = communication.gather(
+      {"positions": jax.vmap(sparse.encode_positions, (0, None))(
+          positions, rows),
+       "values": values}, axis_name)
+  decode = jax.vmap(jax.vmap(sparse.decode_positions, (0, None, None)),
+                    (0, None, None))
+  island_positions = decode(gathered["positions"], rows, keep)  # [k, cols, keep]
+  flat_positions = (island_positions
+                    + rows * jnp.arange(cols)[None, :, None]).reshape(-1)
+  island_values = gathered["values"]  # [k, cols, keep]
+  island_weights = island_shares[:, None, None]
+  scatter = lambda v: jnp.zeros(cols * rows).at[flat_positions].add(
+      v.reshape(-1))
+  # Elect each coordinate's sign by weighted mass, then average the islands
+  # whose value agrees with it (TIES-merging's disjoint mean).
+  elected = jnp.sign(scatter(island_weights * island_values))
+  agrees = (jnp.sign(island_values) == elected[flat_positions].reshape(
+      island_values.shape)) & (island_values != 0)
+  agreeing_mass = scatter(jnp.where(agrees, island_weights * island_values,
+                                    0.0))
+  agreeing_weight = scatter(jnp.where(agrees, island_weights, 0.0)
+                            * jnp.ones_like(island_values))
+  mean = jnp.where(agreeing_weight > 0,
+                   agreeing_mass / jnp.where(agreeing_weight > 0,
+                                             agreeing_weight, 1.0), 0.0)
+  own = (positions + rows * jnp.arange(cols)[:, None]).reshape(-1)
+  sent = jnp.zeros(cols * rows).at[own].set(values.reshape(-1))
+  return mean.reshape(cols, rows).T, sent.reshape(cols, rows).T
+
+
+def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
+                  axis_name: str):
+  rows, cols = m.shape
+  ranks = compression.ranks
+  adaptive = compression.name == "adaptive_lowrank"
+  factor_codec = compression.factor_codec if adaptive else None
+  keys = (None, None) if key is None else jax.random.split(key)
+
+  def at_rank(index):
+    r = ranks[index]
+
+    def run(m, share, basis):
+      p, _ = communication.dense_sum(((m * share) @ basis[:, :r]).reshape(-1),
+                                     axis_name, factor_codec, keys[0])
+      p_hat = lowrank.orthonormalize(p.reshape(rows, r))
+      coefficients = m.T @ p_hat  # [cols, r]
+      c, c_sent = communication.dense_sum(
+          (coefficients * share).reshape(-1), axis_name, factor_codec,
+          keys[1])
+      c = c.reshape(cols, r)
+      c_sent = communication.unscale(c_sent, share).reshape(cols, r)
+      next_index = jnp.array(index, jnp.int32)
+      if adaptive:
+        energy, _ = communication.dense_sum(
+            share * jnp.concatenate([jnp.sum(coefficients ** 2, axis=0),
+                                     jnp.sum(m ** 2)[None]]), axis_name)
+        next_index = lowrank.choose_rank_index(
+            energy[:r], energy[r], ranks, index, compression.energy_fraction)
+      return (p_hat @ c.T, p_hat @ c_sent.T, lowrank.next_basis(c, basis),
+              next_index)
+
+    return run
+
+  args = (m, share, leaf_state["basis"])
+  if len(ranks) == 1:
+    outputs = at_rank(0)(*args)
+  else:
+    outputs = jax.lax.switch(leaf_state["rank_index"],
+                             [at_rank(i) for i in range(len(ranks))], *args)
+  mean, sent, basis, rank_index = outputs
+  return mean, sent, {"basis": basis, "rank_index": rank_index}
+
+
+def mean_bytes(tree, num_islands: int, compression: Compression,
+               rank_indices=None) -> int:
+  """Bytes one island sends for `island_mean(tree, ..., compression)`.
+
+  Args:
+    tree: a pytree of arrays or jax.ShapeDtypeStruct (one island's shapes).
+    num_islands: k.
+    compression: the codec.
+    rank_indices: adaptive_lowrank: each factored matrix's ladder index for
+      this round (from the codec state); None means the top of the ladder.
+  """
+  if compression.is_dense:
+    return communication.island_mean_bytes(tree, num_islands,
+                                           compression.dense)
+  k = num_islands
+  if k <= 1:
+    return 0
+  total = communication.weight_share_bytes(k)
+  shapes = [leaf.shape for leaf in jax.tree.leaves(tree)]
+  small = sum(math.prod(s) for s in shapes
+              if not compression.is_structured_leaf(s))
+  if small:
+    total += communication.dense_sum_bytes(small, k, compression.dense)
+  matrices = [s for s in shapes if compression.is_structured_leaf(s)]
+  if matrices and compression.name == "sign_prune":
+    total += communication.gather_bytes(4, k)  # every island's weight
+  for j, shape in enumerate(matrices):
+    rows, cols = lowrank.matrix_view(shape)
+    if compression.name == "topk":
+      n = rows * cols
+      total += communication.gather_bytes(
+          sparse.payload_bytes(n, sparse.keep_count(n, compression.topk_fraction)),
+          k)
+    elif compression.name == "sign_prune":
+      keep = sparse.keep_count(rows, 1.0 - compression.prune_rate)
+      total += communication.gather_bytes(
+          cols * sparse.payload_bytes(rows, keep), k)
+    else:
+      index = (len(compression.ranks) - 1 if rank_indices is None
+               else int(rank_indices[j]))
+      total += _lowrank_bytes(rows, cols, compression.ranks[index], k,
+                              compression)
+  return total
+
+
+def _lowrank_bytes(rows: int, cols: int, rank: int, k: int,
+                   compression: Compression) -> int:
+  if compression.name == "lowrank":
+    return (communication.dense_sum_bytes(rows * rank, k)
+            + communication.dense_sum_bytes(cols * rank, k))
+  codec = compression.factor_codec
+  return (communication.dense_sum_bytes(rows * rank, k, codec)
+          + communication.dense_sum_bytes(cols * rank, k, codec)
+          + communication.dense_sum_bytes(rank + 1, k))  # the energies
+
+
+def rank_indices(codec_state) -> list[int] | None:
+  """The per-matrix ladder indices in a low-rank codec state (host ints)."""
+  if not codec_state:
+    return None
+  return [int(s["rank_index"]) for s in jax.device_get(codec_state)]
