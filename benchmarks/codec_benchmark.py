@@ -1,13 +1,17 @@
-r"""Codec costs: encode+decode throughput and the outer step with each codec.
+r"""Codec costs: encode+decode time and the outer step with each codec.
 
-  python benchmarks/codec_benchmark.py [--islands=4]
+  python benchmarks/codec_benchmark.py [--islands=4] [--codecs=int8,topk]
 
-1. Encode + decode (one jitted round trip) of a flat float32 vector the size
-   of the 150M config's params, per codec, on this process's first device.
+1. Encode + decode of the 150M config's param pytree, per codec, on one
+   device: `compression.island_mean` on a one-island mesh, so every codec
+   does its whole local work (selection, power iteration, quantization,
+   scatter) and its collectives move nothing.
 2. The outer step of the 150M config's params with each codec, with
    `--islands` islands on forced CPU devices (the island link is in-process
-   memory here, so this measures the codec's compute, not a network).
-Final eval loss and bytes per codec come from training runs; see README.
+   memory here, so this measures the codec's compute, not a network), and
+   the bytes one island sends for it.
+Final eval loss and bytes per codec on the default config come from
+experiments/codec_sweep.py; see README.
 """
 
 import os
@@ -22,71 +26,102 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _ISLANDS = flags.DEFINE_integer("islands", 4, "Islands for the outer step.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (median).")
+_CODECS = flags.DEFINE_list("codecs", [], "Codecs to time (default: all).")
+_CONFIG = flags.DEFINE_string("config", "c4_150m",
+                              "A module in configs/ whose model to use.")
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  fn()  # compile and warm up
+def _median_seconds(fn, repeats: int) -> tuple[float, float]:
+  """(seconds of the first call, which compiles; median of the rest)."""
+  start = time.perf_counter()
+  fn()
+  first = time.perf_counter() - start
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return first, statistics.median(times)
 
 
 def main(argv):
   del argv
+  import importlib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", _ISLANDS.value)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from configs import c4_150m  # pylint: disable=g-import-not-at-top
-  from diloco_jax import codecs, communication, diloco, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax import communication, compression as compression_lib, diloco, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax import model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
 
-  config = c4_150m.get_config()
+  config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
+  names = _CODECS.value or list(compression_lib.CODECS)
+
+  def compression_for(name):
+    config.diloco.codec = name
+    return compression_lib.from_config(config.diloco)
+
   shapes = model_lib.param_shapes(config.model)
   n = model_lib.count_params(shapes)
-  x = jax.random.normal(jax.random.key(0), (n - n % 256,), jnp.float32) * 1e-3
-  print(f"150M config: {n:,} params; jax {jax.__version__}, "
+  _, params = model_lib.init_params(config.model, 0)
+  tree = jax.tree.map(
+      lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype) * 1e-3,
+      params)
+  print(f"{_CONFIG.value} config: {n:,} params; jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind}")
-  print("\nencode + decode of the whole vector, one device:")
-  for name in codecs.CODECS:
-    codec = codecs.make_codec(name)
-    round_trip = jax.jit(lambda v, c=codec: c.decode(c.encode(v)))
-    seconds = _median_seconds(lambda: round_trip(x).block_until_ready(),
-                              _REPEATS.value)
-    print(f"  {name:5s} {seconds * 1e3:8.1f} ms  "
-          f"{x.nbytes / seconds / 1e9:6.2f} GB/s of float32")
+
+  print("\nencode + decode of the whole pytree, one device:")
+  one = mesh_lib.build_mesh(1)
+  replicated = lambda t: jax.tree.map(lambda _: P(), t)
+  for name in names:
+    compression = compression_for(name)
+    codec_state = compression_lib.init_codec_state(tree, compression)
+    round_trip = jax.jit(jax.shard_map(
+        lambda t, s, c=compression: compression_lib.island_mean(
+            t, jnp.float32(1.0), c, s)[0],
+        mesh=one, in_specs=(replicated(tree), replicated(codec_state)),
+        out_specs=replicated(tree), check_vma=False))
+    first, seconds = _median_seconds(
+        lambda f=round_trip, s=codec_state: jax.block_until_ready(f(tree, s)),
+        _REPEATS.value)
+    print(f"  {name:17s} {seconds * 1e3:9.1f} ms  "
+          f"{4 * n / seconds / 1e9:6.2f} GB/s of float32  "
+          f"(first call {first:.1f} s)", flush=True)
+  del tree
 
   islands = _ISLANDS.value
   mesh = mesh_lib.build_mesh(islands)
-  _, params = model_lib.init_params(config.model, 0)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-  # A stateless inner optimizer keeps memory to the params the step reads.
-  state = diloco.init_state(params, optax.sgd(1.0), outer_opt, islands)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   fp32_bytes = communication.island_mean_bytes(shapes, islands)
   print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   baseline = None
-  for name in codecs.CODECS:
-    codec = codecs.make_codec(name)
-    step = diloco.make_outer_step(outer_opt, mesh, codec)
+  for name in names:
+    compression = compression_for(name)
+    # A stateless inner optimizer keeps memory to the params the step reads.
+    # A copy: the step donates its state, which would free `params`.
+    state = diloco.init_state(jax.tree.map(jnp.copy, params), optax.sgd(1.0),
+                              outer_opt, islands, compression=compression)
+    state = jax.device_put(state, diloco.state_shardings(state, mesh))
+    step = diloco.make_outer_step(outer_opt, mesh, compression)
     holder = {"state": state}
+    del state
 
     def run(step=step, holder=holder):
       holder["state"] = step(holder["state"], weights)
       jax.block_until_ready(holder["state"].global_params)
 
-    seconds = _median_seconds(run, _REPEATS.value)
-    state = holder["state"]
+    first, seconds = _median_seconds(run, _REPEATS.value)
     baseline = baseline or seconds
-    sent = communication.island_mean_bytes(shapes, islands, codec)
-    print(f"  {name:5s} {seconds * 1e3:8.1f} ms ({seconds / baseline:4.2f}x "
-          f"fp32)  sends {sent / 1e6:8.1f} MB per island "
-          f"({fp32_bytes / sent:4.2f}x less than fp32)")
+    sent = compression_lib.mean_bytes(
+        shapes, islands, compression,
+        compression_lib.rank_indices(holder["state"].codec_state))
+    del holder
+    print(f"  {name:17s} {seconds * 1e3:9.1f} ms ({seconds / baseline:5.2f}x "
+          f"the first)  sends {sent / 1e6:8.2f} MB per island "
+          f"({fp32_bytes / sent:6.2f}x less than fp32)  "
+          f"(first call {first:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -165,40 +165,88 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   leaves, treedef = jax.tree.flatten(tree)
   share = communication.weight_share(weight, axis_name)
   structured = [compression.is_structured_leaf(x.shape) for x in leaves]
-  leaf_key = lambda i: None if key is None else jax.random.fold_in(key, i)
+  leaf_keys = [None if key is None else jax.random.fold_in(key, i)
+               for i in range(len(leaves) + 1)]
   means, sents = list(leaves), list(leaves)
-  # Vectors and small tensors: one dense collective for all of them.
   small = [i for i, s in enumerate(structured) if not s]
   if small:
-    flat, unravel = ravel_pytree([leaves[i].astype(jnp.float32)
-                                  for i in small])
-    total, sent = communication.dense_sum(flat * share, axis_name,
-                                          compression.dense,
-                                          leaf_key(len(leaves)))
-    for i, m, s in zip(small, unravel(total),
-                       unravel(communication.unscale(sent, share))):
-      means[i], sents[i] = m, s
-  new_state = []
+    _small_leaves_mean(leaves, small, share, compression, leaf_keys[-1],
+                       axis_name, means, sents)
   matrices = [i for i, s in enumerate(structured) if s]
-  if matrices and compression.name == "sign_prune":
-    island_shares = communication.gather(share, axis_name)  # [k]
-  for j, i in enumerate(matrices):
-    x = leaves[i]
-    m = x.astype(jnp.float32).reshape(lowrank.matrix_view(x.shape))
-    if compression.is_lowrank:
-      mean, sent, leaf_state = _lowrank_mean(
-          m, share, codec_state[j], compression, leaf_key(i), axis_name)
-      new_state.append(leaf_state)
-    elif compression.name == "topk":
-      mean, sent = _topk_mean(m, share, compression, axis_name)
-    else:
-      mean, sent = _sign_prune_mean(m, island_shares, compression,
-                                    axis_name)
-    means[i], sents[i] = mean.reshape(x.shape), sent.reshape(x.shape)
+  new_state = _matrices_mean(leaves, matrices, share, compression,
+                             codec_state, leaf_keys, axis_name, means, sents)
   cast = lambda values: jax.tree.unflatten(
       treedef, [v.astype(x.dtype) for v, x in zip(values, leaves)])
-  return (cast(means), cast(sents),
-          tuple(new_state) if compression.is_lowrank else codec_state)
+  return cast(means), cast(sents), new_state
+
+
+def _small_leaves_mean(leaves, indices, share, compression: Compression,
+                       key, axis_name: str, means: list, sents: list) -> None:
+  """Vectors and small tensors: one dense collective for all of them.
+
+  Writes each leaf's mean and what was sent into `means` and `sents`.
+  """
+  flat, unravel = ravel_pytree([leaves[i].astype(jnp.float32)
+                                for i in indices])
+  total, sent = communication.dense_sum(flat * share, axis_name,
+                                        compression.dense, key)
+  for i, m, s in zip(indices, unravel(total),
+                     unravel(communication.unscale(sent, share))):
+    means[i], sents[i] = m, s
+
+
+def _matrices_mean(leaves, indices, share, compression: Compression,
+                   codec_state, leaf_keys, axis_name: str, means: list,
+                   sents: list):
+  """The structured codec on each matrix; returns the new codec state.
+
+  Matrices of one shape share one compiled body, run in a loop
+  (`lax.map`): compile time grows with the number of distinct shapes, not
+  with depth.
+  """
+  if compression.name == "sign_prune" and indices:
+    island_shares = communication.gather(share, axis_name)  # [k]
+
+  def one_matrix(m, leaf_state, leaf_key):
+    if compression.is_lowrank:
+      return _lowrank_mean(m, share, leaf_state, compression, leaf_key,
+                           axis_name)
+    if compression.name == "topk":
+      return (*_topk_mean(m, share, compression, axis_name), None)
+    return (*_sign_prune_mean(m, island_shares, compression, axis_name),
+            None)
+
+  new_state = list(codec_state) if compression.is_lowrank else None
+  stack = lambda items: jax.tree.map(lambda *xs: jnp.stack(xs), *items)
+  for group in _groups_by_shape(indices, leaves):
+    ms = stack([leaves[i].astype(jnp.float32).reshape(
+        lowrank.matrix_view(leaves[i].shape)) for i in group])
+    states = (stack([codec_state[indices.index(i)] for i in group])
+              if compression.is_lowrank else None)
+    keys = None if leaf_keys[0] is None else stack(
+        [leaf_keys[i] for i in group])
+    if len(group) == 1:
+      first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+      outputs = jax.tree.map(lambda x: x[None],
+                             one_matrix(first(ms), first(states), first(keys)))
+    else:
+      outputs = jax.lax.map(lambda xs: one_matrix(*xs), (ms, states, keys))
+    group_means, group_sents, group_states = outputs
+    for g, i in enumerate(group):
+      means[i] = group_means[g].reshape(leaves[i].shape)
+      sents[i] = group_sents[g].reshape(leaves[i].shape)
+      if compression.is_lowrank:
+        new_state[indices.index(i)] = jax.tree.map(lambda x, g=g: x[g],
+                                                   group_states)
+  return tuple(new_state) if compression.is_lowrank else codec_state
+
+
+def _groups_by_shape(indices, leaves) -> list[list[int]]:
+  """`indices` grouped by their leaves' matrix views, in first-seen order."""
+  groups = {}
+  for i in indices:
+    groups.setdefault(lowrank.matrix_view(leaves[i].shape), []).append(i)
+  return list(groups.values())
 
 
 def _topk_mean(m, share, compression: Compression, axis_name: str):

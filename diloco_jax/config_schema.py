@@ -33,7 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False
-  c.diloco.fallback_codec = "int8"  # a dense codec
+  c.diloco.fallback_codec = "int4"  # a dense codec
   c.diloco.prune_rate = 0.5  # sign_prune: fraction of each neuron dropped
   c.diloco.topk_fraction = 0.01  # topk: fraction of each matrix kept
   c.diloco.lowrank = ml_collections.ConfigDict()
@@ -41,8 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
   # adaptive_lowrank: per matrix and round, the smallest rank of the ladder
   # min_rank, 2 min_rank, ..., max_rank keeping energy_fraction of the energy;
   # factors sent through factor_codec (a dense codec).
-  c.diloco.lowrank.min_rank = 8
-  c.diloco.lowrank.max_rank = 48
+  # The defaults are the best measured on configs/default.py (README).
+  c.diloco.lowrank.min_rank = 16
+  c.diloco.lowrank.max_rank = 64
   c.diloco.lowrank.energy_fraction = 0.9
   c.diloco.lowrank.factor_codec = "int4"
   c.diloco.outer_optimizer = ml_collections.ConfigDict()

@@ -30,16 +30,37 @@ VARIANTS = {
     "int4": ["--config.diloco.codec=int4"],
     "int4_ef": ["--config.diloco.codec=int4",
                 "--config.diloco.error_feedback=true"],
-    "sign_prune": ["--config.diloco.codec=sign_prune"],
+    # The structured codecs' vectors and small tensors go through the
+    # fallback codec.
+    "sign_prune": ["--config.diloco.codec=sign_prune",
+                   "--config.diloco.fallback_codec=int8"],
     "topk_ef": ["--config.diloco.codec=topk",
+                "--config.diloco.fallback_codec=int8",
                 "--config.diloco.error_feedback=true"],
     "lowrank_ef": ["--config.diloco.codec=lowrank",
+                   "--config.diloco.fallback_codec=int8",
                    "--config.diloco.error_feedback=true"],
-    "adaptive_lowrank_ef": ["--config.diloco.codec=adaptive_lowrank",
-                            "--config.diloco.error_feedback=true"],
-    # Smaller ranks with int8 factors: more compression, more loss.
+    # The schema's adaptive settings: ranks 16..64, int4 factors, 90% of
+    # the energy; 128 x 128 matrices are too small to factor at rank 64
+    # and go through the int4 fallback.
+    "adaptive_r64_int4_ef": ["--config.diloco.codec=adaptive_lowrank",
+                             "--config.diloco.error_feedback=true",
+                             "--config.diloco.fallback_codec=int4",
+                             "--config.diloco.lowrank.min_rank=16",
+                             "--config.diloco.lowrank.max_rank=64",
+                             "--config.diloco.lowrank.factor_codec=int4",
+                             "--config.diloco.lowrank.energy_fraction=0.9"],
+    # Smaller ranks: more compression, more loss.
+    "adaptive_r48_int4_ef": ["--config.diloco.codec=adaptive_lowrank",
+                             "--config.diloco.error_feedback=true",
+                             "--config.diloco.fallback_codec=int8",
+                             "--config.diloco.lowrank.min_rank=8",
+                             "--config.diloco.lowrank.max_rank=48",
+                             "--config.diloco.lowrank.factor_codec=int4",
+                             "--config.diloco.lowrank.energy_fraction=0.9"],
     "adaptive_r16_int8_ef": ["--config.diloco.codec=adaptive_lowrank",
                              "--config.diloco.error_feedback=true",
+                             "--config.diloco.fallback_codec=int8",
                              "--config.diloco.lowrank.min_rank=2",
                              "--config.diloco.lowrank.max_rank=16",
                              "--config.diloco.lowrank.energy_fraction=0.5",

@@ -253,7 +253,8 @@ def test_error_feedback_residuals_live_in_the_state():
 
 
 def test_resume_with_codec_state_is_exact(tmp_path):
-  import os, shutil  # pylint: disable=g-import-not-at-top,multiple-imports
+  import os
+  import shutil  # pylint: disable=g-import-not-at-top,multiple-imports
   from configs import tiny  # pylint: disable=g-import-not-at-top
   from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top

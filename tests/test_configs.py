@@ -31,7 +31,8 @@ def test_paper_c4_configs_build_and_validate(name, nominal):
 def test_paper_c4_configs_validate_given_their_data(tmp_path):
   """With C4 shards and a SentencePiece model, the paper configs are valid."""
   spm = pytest.importorskip("sentencepiece")
-  import gzip, json  # pylint: disable=g-import-not-at-top,multiple-imports
+  import gzip
+  import json  # pylint: disable=g-import-not-at-top,multiple-imports
   texts = [f"document {i} about topic {i % 7}: " + "words " * (i % 13 + 3)
            for i in range(400)]
   shards = tmp_path / "c4"

@@ -447,7 +447,8 @@ def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
 
 
 def test_resume_with_the_adaptive_codec_state_is_exact(tmp_path):
-  import os, shutil  # pylint: disable=g-import-not-at-top,multiple-imports
+  import os
+  import shutil  # pylint: disable=g-import-not-at-top,multiple-imports
   from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")

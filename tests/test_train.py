@@ -127,6 +127,15 @@ BAD_CONFIGS = [
     ({"model.vocab_size": 8}, "config.model.vocab_size=8"),
     ({"diloco.codec": "int3"}, "config.diloco.codec='int3'"),
     ({"diloco.codec_block_size": 7}, "config.diloco.codec_block_size=7"),
+    ({"diloco.codec": "topk", "diloco.topk_fraction": 1.5},
+     "config.diloco.topk_fraction=1.5"),
+    ({"diloco.prune_rate": 0.0}, "config.diloco.prune_rate=0.0"),
+    ({"diloco.fallback_codec": "topk"}, "config.diloco.fallback_codec='topk'"),
+    ({"diloco.lowrank.factor_codec": "int2"},
+     "config.diloco.lowrank.factor_codec='int2'"),
+    ({"diloco.lowrank.min_rank": 32, "diloco.lowrank.max_rank": 8},
+     "config.diloco.lowrank.min_rank=32"),
+    ({"diloco.lowrank.rank": 0}, "config.diloco.lowrank.rank=0"),
 ]
 
 
