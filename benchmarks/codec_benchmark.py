@@ -14,6 +14,7 @@ Final eval loss and bytes per codec on the default config come from
 experiments/codec_sweep.py; see README.
 """
 
+import gc
 import os
 import statistics
 import sys
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ISLANDS = flags.DEFINE_integer("islands", 4, "Islands for the outer step.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (median).")
 _CODECS = flags.DEFINE_list("codecs", [], "Codecs to time (default: all).")
+_SECTIONS = flags.DEFINE_list("sections", ["round_trip", "outer_step"],
+                              "Which parts to run.")
 _CONFIG = flags.DEFINE_string("config", "c4_150m",
                               "A module in configs/ whose model to use.")
 
@@ -71,10 +74,11 @@ def main(argv):
   print(f"{_CONFIG.value} config: {n:,} params; jax {jax.__version__}, "
         f"{jax.devices()[0].device_kind}")
 
-  print("\nencode + decode of the whole pytree, one device:")
   one = mesh_lib.build_mesh(1)
   replicated = lambda t: jax.tree.map(lambda _: P(), t)
-  for name in names:
+  if "round_trip" in _SECTIONS.value:
+    print("\nencode + decode of the whole pytree, one device:")
+  for name in names if "round_trip" in _SECTIONS.value else []:
     compression = compression_for(name)
     codec_state = compression_lib.init_codec_state(tree, compression)
     round_trip = jax.jit(jax.shard_map(
@@ -83,7 +87,8 @@ def main(argv):
         mesh=one, in_specs=(replicated(tree), replicated(codec_state)),
         out_specs=replicated(tree), check_vma=False))
     first, seconds = _median_seconds(
-        lambda f=round_trip, s=codec_state: jax.block_until_ready(f(tree, s)),
+        lambda f=round_trip, s=codec_state, t=tree: jax.block_until_ready(
+            f(t, s)),
         _REPEATS.value)
     print(f"  {name:17s} {seconds * 1e3:9.1f} ms  "
           f"{4 * n / seconds / 1e9:6.2f} GB/s of float32  "
@@ -95,9 +100,10 @@ def main(argv):
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   fp32_bytes = communication.island_mean_bytes(shapes, islands)
-  print(f"\nouter step, {islands} islands on {islands} CPU devices:")
+  if "outer_step" in _SECTIONS.value:
+    print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   baseline = None
-  for name in names:
+  for name in names if "outer_step" in _SECTIONS.value else []:
     compression = compression_for(name)
     # A stateless inner optimizer keeps memory to the params the step reads.
     # A copy: the step donates its state, which would free `params`.
@@ -117,7 +123,12 @@ def main(argv):
     sent = compression_lib.mean_bytes(
         shapes, islands, compression,
         compression_lib.rank_indices(holder["state"].codec_state))
-    del holder
+    # Free this codec's state and programs before the next one's: two
+    # 150M states with their temporaries do not fit in 24 GB.
+    holder.clear()
+    del step, run
+    gc.collect()
+    jax.clear_caches()
     print(f"  {name:17s} {seconds * 1e3:9.1f} ms ({seconds / baseline:5.2f}x "
           f"the first)  sends {sent / 1e6:8.2f} MB per island "
           f"({fp32_bytes / sent:6.2f}x less than fp32)  "
