@@ -1,6 +1,7 @@
 """Small shared builders for the algorithm tests."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -52,3 +53,19 @@ def small_data_config(**overrides):
                           document_length=63, validation_documents=8)
   config.update(overrides)
   return config
+
+
+def assert_compressed_one_program(hlo: str, wire_type: str = "s8[") -> None:
+  """Checks a compiled outer step's HLO text: `wire_type` values cross the
+  link, no large float32 collective does, and nothing leaves the program
+  (no host callbacks, send/recv, infeed/outfeed)."""
+  collectives = [line for line in hlo.splitlines()
+                 if re.search(r"\b(all-to-all|all-gather|all-reduce)"
+                              r"(-start)?\(", line)]
+  wire_types = " ".join(line.split("=", 1)[1].split("(")[0]
+                        for line in collectives)
+  assert wire_type in wire_types, wire_types
+  assert not re.search(r"f32\[\d{3,}", wire_types), wire_types
+  assert "callback" not in hlo
+  assert "send(" not in hlo and "recv(" not in hlo
+  assert "infeed" not in hlo and "outfeed" not in hlo

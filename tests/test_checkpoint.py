@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,20 @@ def _assert_identical_runs(a, b):
     assert ra["train_loss"] == rb["train_loss"]
     assert ra.get("eval_loss") == rb.get("eval_loss")
     assert ra["comm_bytes"] == rb["comm_bytes"]
+
+
+def check_resume_from_round_2(make_config, tmp_path):
+  """Runs a 12-step, 3-step-round config whole and again with everything
+  after round 2 forgotten (as if killed there), resumes it, and checks that
+  both runs end identical. make_config() must keep checkpoints 3..12."""
+  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+  train.train_and_evaluate(make_config(), whole)
+  train.train_and_evaluate(make_config(), resumed)
+  for step in ("9", "12"):
+    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
+  os.remove(os.path.join(resumed, "summary.json"))
+  train.train_and_evaluate(make_config(), resumed)
+  _assert_identical_runs(whole, resumed)
 
 
 @pytest.fixture(scope="module")

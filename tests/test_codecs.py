@@ -1,6 +1,5 @@
 """Codecs and the compressed island mean (DESIGN.md §1.3)."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -143,15 +142,7 @@ def test_outer_step_sends_the_int8_payload_in_one_program():
   codec = codecs.make_codec("int8")
   hlo = diloco.make_outer_step(outer_opt, mesh, codec).lower(
       state, weights).compile().as_text()
-  collectives = [l for l in hlo.splitlines()
-                 if re.search(r"\b(all-to-all|all-gather|all-reduce)"
-                              r"(-start)?\(", l)]
-  wire_types = " ".join(l.split("=", 1)[1].split("(")[0] for l in collectives)
-  assert "s8[" in wire_types  # int8 values cross the link
-  assert not re.search(r"f32\[\d{3,}", wire_types)  # no big f32 collective
-  # One compiled program: no host callbacks or transfers inside it.
-  assert "custom-call" not in hlo or "callback" not in hlo
-  assert "send(" not in hlo and "recv(" not in hlo
+  helpers.assert_compressed_one_program(hlo)  # int8 values, s8
 
 
 def test_int8_outer_step_leaves_every_island_with_the_same_params():
@@ -253,10 +244,7 @@ def test_error_feedback_residuals_live_in_the_state():
 
 
 def test_resume_with_codec_state_is_exact(tmp_path):
-  import os
-  import shutil  # pylint: disable=g-import-not-at-top,multiple-imports
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top
 
   def config():
@@ -267,15 +255,7 @@ def test_resume_with_codec_state_is_exact(tmp_path):
     c.checkpoint.max_to_keep = 20
     return c
 
-  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-  train.train_and_evaluate(config(), whole)
-  train.train_and_evaluate(config(), resumed)
-  # Forget everything after round 2, as if killed there, and resume.
-  for step in ("9", "12"):
-    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
-  os.remove(os.path.join(resumed, "summary.json"))
-  train.train_and_evaluate(config(), resumed)
-  test_checkpoint._assert_identical_runs(whole, resumed)
+  test_checkpoint.check_resume_from_round_2(config, tmp_path)
 
 
 def test_toggling_error_feedback_is_an_incompatible_checkpoint(tmp_path):

@@ -1,7 +1,5 @@
 """Sparse and low-rank codecs over pytrees (compression.py, DESIGN.md §1.3)."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -398,15 +396,7 @@ def test_adaptive_outer_step_is_one_program_with_int8_factors():
   state, outer, weights = _outer_step_state(2, compression)
   hlo = outer.lower(state, weights).compile().as_text()
   assert "conditional" in hlo  # the rank ladder's branches
-  collectives = [l for l in hlo.splitlines()
-                 if re.search(r"\b(all-to-all|all-gather|all-reduce)"
-                              r"(-start)?\(", l)]
-  wire_types = " ".join(l.split("=", 1)[1].split("(")[0] for l in collectives)
-  assert "s8[" in wire_types  # quantized factors cross the link
-  assert not re.search(r"f32\[\d{3,}", wire_types)  # no big f32 collective
-  assert "callback" not in hlo
-  assert "send(" not in hlo and "recv(" not in hlo
-  assert "infeed" not in hlo and "outfeed" not in hlo
+  helpers.assert_compressed_one_program(hlo)  # quantized factors, s8
 
 
 # ------------------------------------------------------------- training
@@ -447,19 +437,8 @@ def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
 
 
 def test_resume_with_the_adaptive_codec_state_is_exact(tmp_path):
-  import os
-  import shutil  # pylint: disable=g-import-not-at-top,multiple-imports
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top
-  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-  train.train_and_evaluate(_tiny_adaptive_config(), whole)
-  train.train_and_evaluate(_tiny_adaptive_config(), resumed)
-  # Forget everything after round 2, as if killed there, and resume.
-  for step in ("9", "12"):
-    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
-  os.remove(os.path.join(resumed, "summary.json"))
-  train.train_and_evaluate(_tiny_adaptive_config(), resumed)
-  test_checkpoint._assert_identical_runs(whole, resumed)
+  test_checkpoint.check_resume_from_round_2(_tiny_adaptive_config, tmp_path)
 
 
 def test_changing_the_rank_range_is_an_incompatible_checkpoint(tmp_path):
