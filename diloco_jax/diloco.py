@@ -63,18 +63,17 @@ def _zero_residuals(params, num_islands: int):
 def init_state(params, inner_opt: optax.GradientTransformation,
                outer_opt: optax.GradientTransformation,
                num_islands: int, error_feedback: bool = False,
-               compression: compression_lib.Compression | None = None,
-               seed: int = 0) -> TrainState:
+               compression=None, seed: int = 0) -> TrainState:
   """Every island starts from the same params with a fresh inner state.
 
   With `error_feedback` the state holds zero residuals; with a `compression`
-  that keeps state, its initial codec state (seeded by `seed`).
+  (as make_outer_step takes it) that keeps state, its initial codec state
+  (seeded by `seed`).
   """
   island_params = _stack(params, num_islands)
   return TrainState(
-      codec_state=(None if compression is None else
-                   compression_lib.init_codec_state(params, compression,
-                                                    seed)),
+      codec_state=compression_lib.init_codec_state(
+          params, compression_lib.as_compression(compression), seed),
       residuals=(_zero_residuals(params, num_islands) if error_feedback
                  else None),
       step=jnp.zeros((), jnp.int32),

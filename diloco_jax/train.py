@@ -76,12 +76,11 @@ def _ratio(numerator: float, denominator: float) -> float | None:
   return numerator / denominator if denominator else None
 
 
-def _mean_rank(compression, codec_state) -> float | None:
+def _mean_rank(compression, rank_indices) -> float | None:
   """The low-rank codecs' mean rank over factored matrices this round."""
-  indices = compression_lib.rank_indices(codec_state)
-  if not indices:
+  if not rank_indices:
     return None
-  return float(np.mean([compression.ranks[i] for i in indices]))
+  return float(np.mean([compression.ranks[i] for i in rank_indices]))
 
 
 def _mean_loss(evaluate, state, eval_arrays) -> float:
@@ -267,14 +266,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
   # through the codec.
   ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands)
 
-  def sync_bytes(state) -> int:
-    """Bytes one island sends in this round's sync (the low-rank codecs'
-    ranks are in the state, chosen last round)."""
+  @functools.lru_cache(maxsize=None)
+  def sync_bytes(rank_indices: tuple[int, ...] | None) -> int:
+    """Bytes one island sends in a sync at these low-rank ranks (None for
+    codecs without ranks); cached, as few rank patterns recur."""
     if mode != "diloco":
       return ddp_step_bytes
-    return compression_lib.mean_bytes(
-        param_shapes, islands, compression,
-        compression_lib.rank_indices(state.codec_state))
+    return compression_lib.mean_bytes(param_shapes, islands, compression,
+                                      rank_indices)
+
+  def current_rank_indices(state) -> tuple[int, ...] | None:
+    """This round's ranks, chosen last round (one small device fetch)."""
+    indices = compression_lib.rank_indices(state.codec_state)
+    return None if indices is None else tuple(indices)
 
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
   tokens_per_island_step = batch_size * seq_len
@@ -284,7 +288,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   byte_level = config.data.tokenizer == "byte"
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                mode, islands, inner_steps, f"{num_params:,}",
-               islands * tokens_per_island_step, sync_bytes(state) / 1e6)
+               islands * tokens_per_island_step,
+               sync_bytes(current_rank_indices(state)) / 1e6)
 
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
@@ -350,8 +355,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
       if outer_step is not None:
         # Islands are weighted by the tokens they processed this round.
         weights = island_round_steps * tokens_per_island_step * island_shares
-        round_bytes = sync_bytes(state)
-        rank = _mean_rank(compression, state.codec_state)
+        rank_indices = current_rank_indices(state)
+        round_bytes = sync_bytes(rank_indices)
+        rank = _mean_rank(compression, rank_indices)
         state = outer_step(state, _place(weights.astype(np.float32),
                                          weights_sharding))
         comm_bytes += round_bytes

@@ -4,9 +4,14 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import config_schema
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
 from diloco_jax import model as model_lib
 
 
@@ -69,3 +74,25 @@ def assert_compressed_one_program(hlo: str, wire_type: str = "s8[") -> None:
   assert "callback" not in hlo
   assert "send(" not in hlo and "recv(" not in hlo
   assert "infeed" not in hlo and "outfeed" not in hlo
+
+
+def state_after_one_inner_step(islands: int, compression=None,
+                               error_feedback: bool = False):
+  """The tiny problem on `islands` islands after one inner step (Adam 1e-2).
+
+  Returns (state, outer_step, weights): the sharded state, the jitted outer
+  step (outer SGD lr 1, through `compression`) and equal island weights.
+  """
+  params, loss_fn = tiny_problem()
+  params = jax.tree.map(np.array, params)
+  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
+  mesh = mesh_lib.build_mesh(islands)
+  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+                            error_feedback, compression)
+  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  batch = jax.device_put(random_batches(1, islands, 2)[0],
+                         NamedSharding(mesh, diloco.BATCH_SPEC))
+  state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
+  weights = jax.device_put(jnp.ones(islands),
+                           NamedSharding(mesh, P("island")))
+  return state, diloco.make_outer_step(outer_opt, mesh, compression), weights

@@ -147,19 +147,10 @@ def test_outer_step_sends_the_int8_payload_in_one_program():
 
 def test_int8_outer_step_leaves_every_island_with_the_same_params():
   islands = 4
-  params, loss_fn = helpers.tiny_problem()
-  params = jax.tree.map(np.array, params)
-  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
-  mesh = mesh_lib.build_mesh(islands)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
-  batch = jax.device_put(helpers.random_batches(1, islands, 2)[0],
-                         NamedSharding(mesh, diloco.BATCH_SPEC))
-  state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
+  state, outer, weights = helpers.state_after_one_inner_step(
+      islands, codecs.make_codec("int8"))
   y = jax.device_get(state.island_params)
-  weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
-  state = diloco.make_outer_step(outer_opt, mesh, codecs.make_codec("int8"))(
-      state, weights)
+  state = outer(state, weights)
   new_y = jax.device_get(state.island_params)
   x = jax.device_get(state.global_params)
   for i in range(islands):
@@ -218,22 +209,12 @@ def test_error_feedback_conserves_mass_over_rounds():
 
 def test_error_feedback_residuals_live_in_the_state():
   islands = 2
-  params, loss_fn = helpers.tiny_problem()
-  params = jax.tree.map(np.array, params)
-  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
-  mesh = mesh_lib.build_mesh(islands)
   codec = codecs.make_codec("int4", block_size=64)
   final = {}
   for error_feedback in (False, True):
-    state = diloco.init_state(params, inner_opt, outer_opt, islands,
-                              error_feedback=error_feedback)
-    state = jax.device_put(state, diloco.state_shardings(state, mesh))
-    batch = jax.device_put(helpers.random_batches(1, islands, 2)[0],
-                           NamedSharding(mesh, diloco.BATCH_SPEC))
-    state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
-    final[error_feedback] = diloco.make_outer_step(outer_opt, mesh, codec)(
-        state, jax.device_put(jnp.ones(islands),
-                              NamedSharding(mesh, P("island"))))
+    state, outer, weights = helpers.state_after_one_inner_step(
+        islands, codec, error_feedback)
+    final[error_feedback] = outer(state, weights)
   assert final[False].residuals is None
   residual_leaves = jax.tree.leaves(final[True].residuals)
   assert residual_leaves[0].shape[0] == islands

@@ -3,13 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import codecs
 from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
 from diloco_jax import lowrank
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import sparse
@@ -357,22 +355,6 @@ def test_error_feedback_conserves_mass_and_catches_up(name):
 # ------------------------------------------------------------- outer step
 
 
-def _outer_step_state(islands, compression, error_feedback=True):
-  params, loss_fn = helpers.tiny_problem()
-  params = jax.tree.map(np.array, params)
-  inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
-  mesh = mesh_lib.build_mesh(islands)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands,
-                            error_feedback, compression)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
-  batch = jax.device_put(helpers.random_batches(1, islands, 2)[0],
-                         NamedSharding(mesh, diloco.BATCH_SPEC))
-  state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
-  weights = jax.device_put(jnp.ones(islands),
-                           NamedSharding(mesh, P("island")))
-  return state, diloco.make_outer_step(outer_opt, mesh, compression), weights
-
-
 @pytest.mark.parametrize("name", ["topk", "sign_prune", "lowrank",
                                   "adaptive_lowrank"])
 def test_outer_step_leaves_every_island_with_the_same_params(name):
@@ -380,7 +362,7 @@ def test_outer_step_leaves_every_island_with_the_same_params(name):
   compression = _compression(name, dense=INT8, topk_fraction=0.1,
                              ranks=(2, 4) if name == "adaptive_lowrank"
                              else (2,), factor_codec=INT8)
-  state, outer, weights = _outer_step_state(islands, compression)
+  state, outer, weights = helpers.state_after_one_inner_step(islands, compression)
   for _ in range(2):
     state = outer(state, weights)
   y = jax.device_get(state.island_params)
@@ -393,7 +375,7 @@ def test_outer_step_leaves_every_island_with_the_same_params(name):
 def test_adaptive_outer_step_is_one_program_with_int8_factors():
   compression = _compression("adaptive_lowrank", dense=INT8, ranks=(2, 4),
                              factor_codec=INT8)
-  state, outer, weights = _outer_step_state(2, compression)
+  state, outer, weights = helpers.state_after_one_inner_step(2, compression)
   hlo = outer.lower(state, weights).compile().as_text()
   assert "conditional" in hlo  # the rank ladder's branches
   helpers.assert_compressed_one_program(hlo)  # quantized factors, s8
