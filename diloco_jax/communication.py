@@ -12,9 +12,9 @@ dense sum runs the two phases of that ring with encoded chunks (DESIGN.md
 §1.3): an all_to_all of encoded chunks (reduce-scatter), decode and sum in
 float32, re-encode the reduced chunk, all_gather. Each island then sends
 2(k-1) encoded chunks of n/k values: the codec's full ratio at any k, where
-an all-gather of whole payloads would send (k-1) payloads. Payloads that
-cannot be summed while encoded (sparse ones) are all-gathered and counted
-as such. One island sends nothing when k = 1.
+an all-gather of whole payloads would send (k-1) payloads. Sparse codecs use
+the same two phases (`chunked_reduce`) with their own chunk codec and
+reduction. One island sends nothing when k = 1.
 """
 
 import dataclasses
@@ -39,6 +39,54 @@ def weight_share_bytes(num_islands: int) -> int:
   return ring_allreduce_bytes(1, 4, num_islands)
 
 
+def chunked_reduce(chunks, encode, decode, reduce=None,
+                   keys: jax.Array | None = None, axis_name: str = ISLAND):
+  """The two phases of a ring all-reduce, carrying encoded chunks.
+
+  Island j reduces chunk j: an all_to_all hands it every island's encoded
+  chunk j (reduce-scatter), it decodes them, reduces them in float32 and
+  re-encodes the result, and an all_gather hands every island every reduced
+  chunk. Each island sends 2(k-1) encoded chunks, the codec's ratio at any k.
+
+  Args:
+    chunks: [k, ...] this island's contribution, one chunk per island.
+    encode: (chunk, key or None) -> payload (a pytree of static-shape arrays).
+    decode: payload -> float32 chunk.
+    reduce: [k, ...] every island's decoded chunk, in island order ->
+      reduced chunk; None sums them.
+    keys: None, or k + 1 PRNG keys for the encoder (the sent chunks', then
+      the reduced chunk's).
+    axis_name: the island mesh axis.
+
+  Returns:
+    (total, sent, unsent), each [k, ...]: the reduced chunks as every island
+    decodes them; this island's chunks after encoding; and what re-encoding
+    this island's reduced chunk dropped, at its own chunk index (zeros at
+    the others).
+  """
+  send_keys, reduce_key = (None, None) if keys is None else (keys[:-1],
+                                                             keys[-1])
+  sent = jax.vmap(encode)(chunks, send_keys)
+  received = jax.tree.map(
+      lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
+  decoded = jax.vmap(decode)(received)
+  reduced = (jnp.sum(decoded, axis=0) if reduce is None
+             else reduce(decoded))
+  reduced_payload = encode(reduced, reduce_key)
+  gathered = jax.tree.map(lambda p: jax.lax.all_gather(p, axis_name, axis=0),
+                          reduced_payload)
+  total = jax.vmap(decode)(gathered)
+  own = jax.lax.axis_index(axis_name)
+  unsent = jnp.zeros_like(chunks).at[own].set(
+      reduced - decode(reduced_payload))
+  return total, jax.vmap(decode)(sent), unsent
+
+
+def chunked_reduce_bytes(chunk_payload_bytes: int, num_islands: int) -> int:
+  """Bytes one island sends in `chunked_reduce`: (k-1) chunks per phase."""
+  return 2 * max(num_islands - 1, 0) * chunk_payload_bytes
+
+
 def dense_sum(values: jax.Array, axis_name: str = ISLAND,
               codec: codecs.DenseCodec | None = None,
               key: jax.Array | None = None):
@@ -47,8 +95,8 @@ def dense_sum(values: jax.Array, axis_name: str = ISLAND,
   Args:
     values: this island's contribution [n] (already weighted).
     axis_name: the island mesh axis.
-    codec: None or fp32 for a plain psum; otherwise the compressed
-      reduce-scatter + all-gather described in the module docstring.
+    codec: None or fp32 for a plain psum; otherwise `chunked_reduce` with
+      the codec on each chunk.
     key: PRNG key for the codec's stochastic rounding (None: nearest).
 
   Returns:
@@ -63,22 +111,12 @@ def dense_sum(values: jax.Array, axis_name: str = ISLAND,
   chunk = _chunk_length(n, num_islands, codec.block_size)
   chunks = jnp.pad(values, (0, chunk * num_islands - n)).reshape(
       num_islands, chunk)
-  send_keys = reduce_key = None
+  keys = None
   if key is not None:  # independent rounding noise per chunk and phase
-    send_keys = jax.random.split(jax.random.fold_in(key, 0), num_islands)
-    reduce_key = jax.random.fold_in(key, 1)
-  # Reduce-scatter: island i receives every island's encoded chunk i and
-  # sums them in float32.
-  sent = jax.vmap(codec.encode)(chunks, send_keys)
-  received = jax.tree.map(
-      lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
-  reduced_chunk = jnp.sum(jax.vmap(codec.decode)(received), axis=0)
-  # All-gather the re-encoded reduced chunks.
-  gathered = jax.tree.map(
-      lambda p: jax.lax.all_gather(p, axis_name, axis=0),
-      codec.encode(reduced_chunk, reduce_key))
-  total = jax.vmap(codec.decode)(gathered).reshape(-1)[:n]
-  return total, jax.vmap(codec.decode)(sent).reshape(-1)[:n]
+    keys = jax.random.split(key, num_islands + 1)
+  total, sent, _ = chunked_reduce(chunks, codec.encode, codec.decode,
+                                  keys=keys, axis_name=axis_name)
+  return total.reshape(-1)[:n], sent.reshape(-1)[:n]
 
 
 def dense_sum_bytes(num_values: int, num_islands: int,
@@ -90,8 +128,7 @@ def dense_sum_bytes(num_values: int, num_islands: int,
     return ring_allreduce_bytes(num_values, 4, num_islands)
   codec = _chunk_codec(codec, num_values, num_islands)
   chunk = _chunk_length(num_values, num_islands, codec.block_size)
-  # (k-1) encoded chunks out in the all_to_all, (k-1) in the all_gather.
-  return 2 * (num_islands - 1) * codec.payload_bytes(chunk)
+  return chunked_reduce_bytes(codec.payload_bytes(chunk), num_islands)
 
 
 def gather(payload, axis_name: str = ISLAND):

@@ -9,17 +9,22 @@ go through the `fallback` dense codec:
   sign_prune        per neuron (column), keep the (1 - prune_rate) largest
                     magnitudes; merge as TIES-merging does: elect each
                     coordinate's sign by weighted mass, average the
-                    islands that agree with it. Payload: values + positions,
-                    all-gathered.
-  topk              per matrix, keep the topk_fraction largest magnitudes;
-                    merge by weighted sum. Payload: values + positions,
-                    all-gathered.
+                    islands that agree with it.
+  topk              per island chunk of each matrix (n/k values), keep the
+                    topk_fraction largest magnitudes; merge by weighted sum.
   lowrank           one warm-started power-iteration step at a fixed rank
                     (PowerSGD); float32 factors, all-reduced.
   adaptive_lowrank  the same, with each matrix's rank chosen every round
                     from [min_rank, max_rank] to keep energy_fraction of
                     the energy, and factors sent through `factor_codec`
                     (int8/int4) in a compressed all-reduce.
+
+The sparse codecs (sign_prune, topk) carry values + positions through the
+compressed reduce-scatter + all-gather (communication.chunked_reduce): the
+island that merges a chunk cuts the merge back to the codec's sparsity
+before the all-gather, so each island sends 2(k-1)/k of a payload at any k.
+What that cut drops is charged to the merging island, whose error feedback
+(if on) sends it next round.
 
 Every codec returns what each island's contribution became after encoding
 (for error feedback) and runs inside the one jitted outer step; byte counts
@@ -213,8 +218,8 @@ def _matrices_mean(leaves, indices, share, compression: Compression,
                            axis_name)
     if compression.name == "topk":
       return (*_topk_mean(m, share, compression, axis_name), None)
-    return (*_sign_prune_mean(m, island_shares, compression, axis_name),
-            None)
+    return (*_sign_prune_mean(m, share, island_shares, compression,
+                              axis_name), None)
 
   new_state = list(codec_state) if compression.is_lowrank else None
   stack = lambda items: jax.tree.map(lambda *xs: jnp.stack(xs), *items)
@@ -250,63 +255,74 @@ def _groups_by_shape(indices, leaves) -> list[list[int]]:
 
 
 def _topk_mean(m, share, compression: Compression, axis_name: str):
-  x = m.reshape(-1)
-  keep = sparse.keep_count(x.size, compression.topk_fraction)
-  positions = sparse.select_largest(x, keep)
-  values = x[positions]
-  gathered = communication.gather(
-      {"positions": sparse.encode_positions(positions, x.size),
-       "values": values * share}, axis_name)
-  all_positions = jax.vmap(
-      lambda p: sparse.decode_positions(p, x.size, keep))(
-          gathered["positions"])
-  mean = jnp.zeros_like(x).at[all_positions.reshape(-1)].add(
-      gathered["values"].reshape(-1))
-  sent = jnp.zeros_like(x).at[positions].set(values)
-  return mean, sent
+  # Top-k per island chunk (n/k values), so the reduce-scatter + all-gather
+  # carries sparse chunks both ways; the reduced chunk is cut back to the
+  # same count before the all-gather.
+  num_islands = jax.lax.psum(1, axis_name)
+  chunks, chunk = _flat_chunks(m * share, num_islands)
+  keep = sparse.keep_count(chunk, compression.topk_fraction)
+  total, sent, unsent = communication.chunked_reduce(
+      chunks, lambda x, _: sparse.encode(x, keep),
+      lambda p: sparse.decode(p, chunk), axis_name=axis_name)
+  unchunk = lambda x: x.reshape(-1)[:m.size].reshape(m.shape)
+  return unchunk(total), _attributed(unchunk(sent), unchunk(unsent), share)
 
 
-def _sign_prune_mean(m, island_shares, compression: Compression,
+def _sign_prune_mean(m, share, island_shares, compression: Compression,
                      axis_name: str):
   # A neuron is a column (output feature); prune among its incoming values.
-  neurons = m.T  # [cols, rows]
-  cols, rows = neurons.shape
+  # Island j merges neurons j*c .. (j+1)*c - 1 and prunes the merged neurons
+  # again at the same rate for the all-gather.
+  num_islands = jax.lax.psum(1, axis_name)
+  rows, cols = m.shape
+  per_island = math.ceil(cols / num_islands)
+  neurons = jnp.pad((m * share).T, ((0, per_island * num_islands - cols),
+                                    (0, 0)))
   keep = sparse.keep_count(rows, 1.0 - compression.prune_rate)
-  positions = jax.vmap(sparse.select_largest, (0, None))(neurons, keep)
-  values = jnp.take_along_axis(neurons, positions, axis=1)
-  gathered = communication.gather(
-      {"positions": jax.vmap(sparse.encode_positions, (0, None))(
-          positions, rows),
-       "values": values}, axis_name)
-  decode = jax.vmap(jax.vmap(sparse.decode_positions, (0, None, None)),
-                    (0, None, None))
-  island_positions = decode(gathered["positions"], rows, keep)  # [k, cols, keep]
-  flat_positions = (island_positions
-                    + rows * jnp.arange(cols)[None, :, None]).reshape(-1)
-  island_values = gathered["values"]  # [k, cols, keep]
-  island_weights = island_shares[:, None, None]
-  scatter = lambda v: jnp.zeros(cols * rows).at[flat_positions].add(
-      v.reshape(-1))
-  # Elect each coordinate's sign by weighted mass, then average the islands
-  # whose value agrees with it (TIES-merging's disjoint mean).
-  elected = jnp.sign(scatter(island_weights * island_values))
-  agrees = (jnp.sign(island_values) == elected[flat_positions].reshape(
-      island_values.shape)) & (island_values != 0)
-  agreeing_mass = scatter(jnp.where(agrees, island_weights * island_values,
-                                    0.0))
-  agreeing_weight = scatter(jnp.where(agrees, island_weights, 0.0)
-                            * jnp.ones_like(island_values))
-  mean = jnp.where(agreeing_weight > 0,
-                   agreeing_mass / jnp.where(agreeing_weight > 0,
-                                             agreeing_weight, 1.0), 0.0)
-  own = (positions + rows * jnp.arange(cols)[:, None]).reshape(-1)
-  sent = jnp.zeros(cols * rows).at[own].set(values.reshape(-1))
-  return mean.reshape(cols, rows).T, sent.reshape(cols, rows).T
+  encode = lambda x, _: jax.vmap(sparse.encode, (0, None))(x, keep)
+  decode = lambda p: jax.vmap(sparse.decode, (0, None))(p, rows)
+  total, sent, unsent = communication.chunked_reduce(
+      neurons.reshape(num_islands, per_island, rows), encode, decode,
+      lambda received: _ties_merge(received, island_shares),
+      axis_name=axis_name)
+  unchunk = lambda x: x.reshape(-1, rows)[:cols].T
+  return unchunk(total), _attributed(unchunk(sent), unchunk(unsent), share)
+
+
+def _ties_merge(weighted, island_shares):
+  """TIES-merging's disjoint mean of [k, ...] share-weighted island values.
+
+  Each coordinate's sign is elected by weighted mass; the result is the
+  weighted mean of the islands whose (nonzero) value agrees with it.
+  """
+  elected = jnp.sign(jnp.sum(weighted, axis=0))
+  agrees = (jnp.sign(weighted) == elected) & (weighted != 0)
+  weights = island_shares.reshape((-1,) + (1,) * (weighted.ndim - 1))
+  mass = jnp.sum(jnp.where(agrees, weighted, 0.0), axis=0)
+  weight = jnp.sum(jnp.where(agrees, weights, 0.0), axis=0)
+  return jnp.where(weight > 0, mass / jnp.where(weight > 0, weight, 1.0), 0.0)
+
+
+def _flat_chunks(x, num_islands: int):
+  """x flattened and zero-padded to [num_islands, chunk]; and chunk."""
+  chunk = math.ceil(x.size / num_islands)
+  flat = jnp.pad(x.reshape(-1), (0, chunk * num_islands - x.size))
+  return flat.reshape(num_islands, chunk), chunk
+
+
+def _attributed(sent, unsent, share):
+  """What an island's contribution counts as, in its own units.
+
+  Its own encoded values, less what re-encoding the chunk it reduced
+  dropped: with error feedback the island keeps that mass and sends it
+  next round, and the islands' attributed contributions add up to the
+  mean exactly. An island with no weight sent nothing.
+  """
+  return communication.unscale(sent - unsent, share)
 
 
 def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
                   axis_name: str):
-  rows, cols = m.shape
   ranks = compression.ranks
   adaptive = compression.name == "adaptive_lowrank"
   factor_codec = compression.factor_codec if adaptive else None
@@ -315,16 +331,22 @@ def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
   def at_rank(index):
     r = ranks[index]
 
+    # Factors cross the link component-major ([r, n] flattened): each
+    # quantization block then holds one component, whose scale is its own
+    # rather than the strongest component's (their magnitudes follow the
+    # singular values, so a row-major block would zero the weak ones).
+    def factor_sum(factor, key):
+      total, sent = communication.dense_sum(factor.T.reshape(-1), axis_name,
+                                            factor_codec, key)
+      return (total.reshape(factor.shape[::-1]).T,
+              sent.reshape(factor.shape[::-1]).T)
+
     def run(m, share, basis):
-      p, _ = communication.dense_sum(((m * share) @ basis[:, :r]).reshape(-1),
-                                     axis_name, factor_codec, keys[0])
-      p_hat = lowrank.orthonormalize(p.reshape(rows, r))
+      p, _ = factor_sum((m * share) @ basis[:, :r], keys[0])
+      p_hat = lowrank.orthonormalize(p)
       coefficients = m.T @ p_hat  # [cols, r]
-      c, c_sent = communication.dense_sum(
-          (coefficients * share).reshape(-1), axis_name, factor_codec,
-          keys[1])
-      c = c.reshape(cols, r)
-      c_sent = communication.unscale(c_sent, share).reshape(cols, r)
+      c, c_sent = factor_sum(coefficients * share, keys[1])
+      c_sent = communication.unscale(c_sent, share)
       next_index = jnp.array(index, jnp.int32)
       if adaptive:
         energy, _ = communication.dense_sum(
@@ -376,14 +398,14 @@ def mean_bytes(tree, num_islands: int, compression: Compression,
   for j, shape in enumerate(matrices):
     rows, cols = lowrank.matrix_view(shape)
     if compression.name == "topk":
-      n = rows * cols
-      total += communication.gather_bytes(
-          sparse.payload_bytes(n, sparse.keep_count(n, compression.topk_fraction)),
-          k)
+      chunk = math.ceil(rows * cols / k)
+      total += communication.chunked_reduce_bytes(
+          sparse.payload_bytes(
+              chunk, sparse.keep_count(chunk, compression.topk_fraction)), k)
     elif compression.name == "sign_prune":
       keep = sparse.keep_count(rows, 1.0 - compression.prune_rate)
-      total += communication.gather_bytes(
-          cols * sparse.payload_bytes(rows, keep), k)
+      total += communication.chunked_reduce_bytes(
+          math.ceil(cols / k) * sparse.payload_bytes(rows, keep), k)
     else:
       index = (len(compression.ranks) - 1 if rank_indices is None
                else int(rank_indices[j]))

@@ -6,7 +6,8 @@ A sparse payload is `keep` float32 values and their positions in a vector of
 short enough, else int32) or as a bitmask of the whole vector, whichever is
 smaller for the static (length, keep): a 1% top-k of a large tensor sends
 indices, a 50% pruning sends a bitmask. Shapes are static, so everything
-compiles into the outer step.
+compiles into the outer step. `encode`/`decode` are the codec of one chunk
+in the compressed reduce-scatter + all-gather (communication.chunked_reduce).
 """
 
 import jax
@@ -54,9 +55,34 @@ def decode_positions(encoded: jax.Array, length: int, keep: int) -> jax.Array:
   """Inverse of `encode_positions`: int32 positions [keep], increasing."""
   if not uses_bitmask(length, keep):
     return encoded.astype(jnp.int32)
-  bits = (encoded[:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
-  (positions,) = jnp.nonzero(bits.reshape(-1), size=keep, fill_value=0)
+  (positions,) = jnp.nonzero(_unpack_bits(encoded), size=keep, fill_value=0)
   return positions.astype(jnp.int32)
+
+
+def _unpack_bits(encoded: jax.Array) -> jax.Array:
+  bits = (encoded[:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+  return bits.reshape(-1)
+
+
+def encode(x: jax.Array, keep: int) -> dict:
+  """The `keep` largest |x| of a vector x [length] as a sparse payload."""
+  positions = select_largest(x, keep)
+  return {"values": x[positions],
+          "positions": encode_positions(positions, x.shape[0])}
+
+
+def decode(payload: dict, length: int) -> jax.Array:
+  """A sparse payload back to a dense float32 vector [length]."""
+  values = payload["values"].astype(jnp.float32)
+  keep = values.shape[0]
+  if not uses_bitmask(length, keep):
+    positions = payload["positions"].astype(jnp.int32)
+    return jnp.zeros(length, jnp.float32).at[positions].set(values)
+  # The j-th set bit holds the j-th value: a gather by running count, which
+  # is far cheaper than finding the set positions (a sort-like nonzero).
+  mask = _unpack_bits(payload["positions"])[:length].astype(bool)
+  slot = jnp.clip(jnp.cumsum(mask) - 1, 0, keep - 1)
+  return jnp.where(mask, values[slot], 0.0)
 
 
 def payload_bytes(length: int, keep: int) -> int:

@@ -213,24 +213,58 @@ def _tree(islands, seed=5):
           "b": rng.standard_normal((islands, 10)).astype(np.float32)}
 
 
+def _top_positions(x, keep):
+  return np.argsort(-np.abs(x), kind="stable")[:keep]
+
+
+def _keep_largest(x, keep):
+  """x with all but its `keep` largest magnitudes zeroed (a 1-D array)."""
+  kept = np.zeros_like(x)
+  top = _top_positions(x, keep)
+  kept[top] = x[top]
+  return kept
+
+
+def _check_reduce_scatter_reference(mean, sent, expected_mean, kept,
+                                    dropped, owner, weights, adds_up):
+  """mean = the reference on every island; each island's attributed `sent`
+  is its own kept values less the cut of the chunk it merged; and, for a
+  merge that is a weighted sum, the attributed contributions add up to the
+  mean."""
+  shares = _shares(weights)
+  for i in range(len(weights)):
+    np.testing.assert_allclose(mean[i], expected_mean, rtol=1e-5, atol=1e-6)
+    charged = np.where(owner == i, dropped / shares[i], 0.0)
+    np.testing.assert_allclose(sent[i], kept[i] - charged, rtol=1e-5,
+                               atol=1e-5)
+  if adds_up:
+    np.testing.assert_allclose(np.tensordot(shares, sent, 1), expected_mean,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_topk_mean_equals_the_host_reference():
+  """Top-k per island chunk, summed, cut back to k per chunk."""
   islands, fraction = 4, 0.1
   tree = _tree(islands)
-  weights = [1.0, 3.0, 0.0, 2.0]
+  weights = [1.0, 3.0, 2.0, 2.0]
   mean, sent, _ = _run_mean(_compression("topk", topk_fraction=fraction),
                             tree, weights)
-  keep = sparse.keep_count(240, fraction)
-  kept = np.zeros_like(tree["w"])
-  for i in range(islands):
-    flat = tree["w"][i].reshape(-1)
-    top = np.argsort(-np.abs(flat))[:keep]
-    kept[i].reshape(-1)[top] = flat[top]
-  expected = np.tensordot(_shares(weights), kept, 1)
+  n = 240
+  chunk = n // islands
+  keep = sparse.keep_count(chunk, fraction)
+  flat = tree["w"].reshape(islands, islands, chunk)  # [island, chunk j, :]
+  kept = np.stack([[_keep_largest(flat[i, j], keep) for j in range(islands)]
+                   for i in range(islands)])
+  reduced = np.tensordot(_shares(weights), kept, 1)  # [chunk j, :]
+  merged = np.stack([_keep_largest(r, keep) for r in reduced])
+  owner = np.repeat(np.arange(islands), chunk).reshape(tree["w"].shape[1:])
+  as_matrix = lambda x: x.reshape(x.shape[:-2] + tree["w"].shape[1:])
+  _check_reduce_scatter_reference(
+      mean["w"], sent["w"], as_matrix(merged), as_matrix(kept),
+      as_matrix(reduced - merged), owner, weights, adds_up=True)
   exact_b = np.tensordot(_shares(weights), tree["b"], 1)  # fp32 fallback
   for i in range(islands):
-    np.testing.assert_allclose(mean["w"][i], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mean["b"][i], exact_b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(sent["w"][i], kept[i])
 
 
 def _ties_reference(values, shares):
@@ -243,24 +277,35 @@ def _ties_reference(values, shares):
 
 
 def test_sign_prune_keeps_each_neuron_and_merges_like_ties():
+  """Per-neuron pruning, TIES merge by the neuron's owner, pruned again."""
   islands, rate = 4, 0.5
   tree = _tree(islands, seed=6)
   weights = [1.0, 2.0, 1.0, 0.5]
   mean, sent, _ = _run_mean(_compression("sign_prune", prune_rate=rate),
                             tree, weights)
-  rows = tree["w"].shape[1]
+  rows, cols = tree["w"].shape[1:]
   keep = sparse.keep_count(rows, 1 - rate)
-  kept = np.zeros_like(tree["w"])
-  for i in range(islands):
-    for col in range(tree["w"].shape[2]):
-      column = tree["w"][i, :, col]
-      top = np.argsort(-np.abs(column))[:keep]
-      kept[i, top, col] = column[top]
+  prune = lambda m: np.stack([_keep_largest(m[:, c], keep)
+                              for c in range(cols)], axis=1)
+  kept = np.stack([prune(tree["w"][i]) for i in range(islands)])
   assert np.all((kept != 0).sum(axis=1) == keep)  # per neuron
-  expected = _ties_reference(kept, _shares(weights))
-  for i in range(islands):
-    np.testing.assert_allclose(mean["w"][i], expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(sent["w"][i], kept[i])
+  merged = _ties_reference(kept, _shares(weights))
+  pruned = prune(merged)
+  per_island = -(-cols // islands)  # neurons 3j..3j+2 are island j's
+  owner = np.broadcast_to(np.arange(cols) // per_island, (rows, cols))
+  _check_reduce_scatter_reference(mean["w"], sent["w"], pruned, kept,
+                                  merged - pruned, owner, weights,
+                                  adds_up=False)
+
+
+def test_sparse_codec_charges_nothing_to_an_island_without_weight():
+  tree = _tree(4)
+  weights = [1.0, 0.0, 2.0, 1.0]
+  for name in ("topk", "sign_prune"):
+    mean, sent, _ = _run_mean(_compression(name, topk_fraction=0.1),
+                              tree, weights)
+    np.testing.assert_array_equal(sent["w"][1], 0.0)
+    assert np.all(np.isfinite(mean["w"]))
 
 
 # ------------------------------------------------------- bytes and feedback
@@ -277,13 +322,16 @@ def test_structured_byte_counts_by_hand():
   base = weight_psum + fallback
   count = lambda c, **kw: compression_lib.mean_bytes(tree, k, c, **kw)
 
+  # Sparse codecs: (k-1) chunk payloads out in each of the two phases.
   topk = _compression("topk", dense=INT8, topk_fraction=0.01)
-  # 20 of 2048 values: uint16 indices (40 B) beat a bitmask (256 B).
-  assert count(topk) == base + (k - 1) * (20 * 4 + 20 * 2)
+  # Chunks of 512 values keep 5: uint16 indices (10 B) beat a bitmask (64 B).
+  assert count(topk) == base + 2 * (k - 1) * (5 * 4 + 5 * 2)
 
   prune = _compression("sign_prune", dense=INT8, prune_rate=0.5)
-  # per column: 32 of 64 values + an 8-byte bitmask; plus every weight.
-  assert count(prune) == base + (k - 1) * 4 + (k - 1) * 32 * (32 * 4 + 8)
+  # Chunks of 8 neurons (columns), each 32 of 64 values + an 8-byte bitmask;
+  # plus every island's weight.
+  assert count(prune) == (base + (k - 1) * 4
+                          + 2 * (k - 1) * 8 * (32 * 4 + 8))
 
   low = _compression("lowrank", dense=INT8, ranks=(4,))
   # fp32 ring all-reduces of P (64 x 4) and C (32 x 4).
