@@ -60,15 +60,20 @@ def small_data_config(**overrides):
   return config
 
 
+def collective_types(hlo: str, ops: str = "all-to-all|all-gather|all-reduce"):
+  """The result types of the cross-device collectives in HLO text, e.g.
+  's8[1,24]' or, for a collective over several operands, '(u16[1,3],
+  f32[1,3])'."""
+  pattern = re.compile(r"=\s*(.*?)\s+(?:" + ops + r")(?:-start)?\(")
+  return [match.group(1) for match in map(pattern.search, hlo.splitlines())
+          if match]
+
+
 def assert_compressed_one_program(hlo: str, wire_type: str = "s8[") -> None:
   """Checks a compiled outer step's HLO text: `wire_type` values cross the
   link, no large float32 collective does, and nothing leaves the program
   (no host callbacks, send/recv, infeed/outfeed)."""
-  collectives = [line for line in hlo.splitlines()
-                 if re.search(r"\b(all-to-all|all-gather|all-reduce)"
-                              r"(-start)?\(", line)]
-  wire_types = " ".join(line.split("=", 1)[1].split("(")[0]
-                        for line in collectives)
+  wire_types = " ".join(collective_types(hlo))
   assert wire_type in wire_types, wire_types
   assert not re.search(r"f32\[\d{3,}", wire_types), wire_types
   assert "callback" not in hlo

@@ -175,12 +175,33 @@ def _all_reduce_groups(hlo_text: str):
       groups.append(frozenset(
           frozenset(int(i) for i in g.split(","))
           for g in re.findall(r"\{([\d,]+)\}", match.group(1))))
-    else:
-      match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\]"
-                        r"(?:T\(([\d,]+)\))?", line)
-      assert match, f"cannot parse replica groups in: {line}"
+      continue
+    match = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\]"
+                      r"(?:T\(([\d,]+)\))?", line)
+    if match:
       groups.append(_iota_groups(*match.groups()))
+      continue
+    # Newer XLA (jax >= 0.11): replica_groups=mesh['island'=2,'data'=2] {'island'}
+    match = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    assert match, f"cannot parse replica groups in: {line}"
+    groups.append(_mesh_groups(match.group(1), match.group(2)))
   return groups
+
+
+def _mesh_groups(axes: str, reduced: str):
+  """Groups of a mesh-form replica_groups: device ids (row-major over the
+  mesh's axes) that vary along the reduced axes only."""
+  sizes = dict((name, int(size))
+               for name, size in re.findall(r"'(\w+)'=(\d+)", axes))
+  reduced_axes = re.findall(r"'(\w+)'", reduced)
+  names = list(sizes)
+  ids = np.arange(int(np.prod(list(sizes.values())))).reshape(
+      list(sizes.values()))
+  order = ([i for i, n in enumerate(names) if n not in reduced_axes]
+           + [names.index(n) for n in reduced_axes])
+  group_size = int(np.prod([sizes[n] for n in reduced_axes]))
+  rows = ids.transpose(order).reshape(-1, group_size)
+  return frozenset(frozenset(int(i) for i in row) for row in rows)
 
 
 def _iota_groups(num_groups, group_size, dims, transpose):

@@ -363,6 +363,25 @@ def test_adaptive_codec_sends_over_ten_times_less_than_fp32(islands):
   assert fp32 / top > 10  # even at the largest rank
 
 
+@pytest.mark.parametrize("name", ["topk", "sign_prune"])
+def test_sparse_codecs_keep_their_ratio_at_any_island_count(name):
+  """The reduce-scatter + all-gather sends 2(k-1)/k of a payload, as the
+  fp32 ring does: the ratio does not fall as k grows (an all-gather of
+  whole payloads would lose a factor k/2)."""
+  from configs import default  # pylint: disable=g-import-not-at-top
+  from diloco_jax import communication  # pylint: disable=g-import-not-at-top
+  from diloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.diloco.codec = name
+  shapes = model_lib.param_shapes(config.model)
+  compression = compression_lib.from_config(config.diloco)
+  ratios = [communication.island_mean_bytes(shapes, k)
+            / compression_lib.mean_bytes(shapes, k, compression)
+            for k in (2, 4, 8)]
+  assert max(ratios) / min(ratios) < 1.1, ratios
+  assert min(ratios) > (1.8 if name == "sign_prune" else 8.0), ratios
+
+
 @pytest.mark.parametrize("name", ["topk", "sign_prune", "lowrank",
                                   "adaptive_lowrank"])
 def test_error_feedback_conserves_mass_and_catches_up(name):
@@ -427,6 +446,20 @@ def test_adaptive_outer_step_is_one_program_with_int8_factors():
   hlo = outer.lower(state, weights).compile().as_text()
   assert "conditional" in hlo  # the rank ladder's branches
   helpers.assert_compressed_one_program(hlo)  # quantized factors, s8
+
+
+@pytest.mark.parametrize("name,positions", [("topk", "u16["),
+                                            ("sign_prune", "u8[")])
+def test_sparse_outer_step_is_one_program_exchanging_sparse_chunks(
+    name, positions):
+  """Positions (uint16 indices for top-k, bitmasks for pruning) cross the
+  link in the all_to_all, and no float32 tensor of any size does."""
+  compression = _compression(name, dense=INT8, topk_fraction=0.01)
+  state, outer, weights = helpers.state_after_one_inner_step(2, compression)
+  hlo = outer.lower(state, weights).compile().as_text()
+  all_to_all = " ".join(helpers.collective_types(hlo, "all-to-all"))
+  assert positions in all_to_all, all_to_all
+  helpers.assert_compressed_one_program(hlo, wire_type=positions)
 
 
 # ------------------------------------------------------------- training
