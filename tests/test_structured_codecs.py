@@ -192,31 +192,19 @@ def test_adaptive_codec_picks_the_rank_of_a_known_spectrum():
 # ------------------------------------------------------------------ sparse
 
 
-def test_sparse_payload_round_trips_as_indices_or_bitmask():
+def test_sparse_positions_round_trip_as_indices_or_bitmask():
   rng = np.random.default_rng(4)
-  for length, keep, positions_dtype in ((100, 50, np.uint8),
-                                        (100, 3, np.uint16),
-                                        (70000, 700, np.int32),
-                                        (20, 10, np.uint8)):
-    x = rng.standard_normal(length).astype(np.float32)
-    payload = sparse.encode(jnp.asarray(x), keep)
-    assert payload["positions"].dtype == positions_dtype
-    assert sparse.uses_bitmask(length, keep) == (positions_dtype == np.uint8)
-    assert (payload["values"].nbytes + payload["positions"].nbytes
-            == sparse.payload_bytes(length, keep))
-    np.testing.assert_array_equal(sparse.decode(payload, length),
-                                  _keep_largest(x, keep))
-
-
-def test_largest_mask_keeps_exactly_keep_and_breaks_ties_by_position():
-  x = jnp.asarray([0.5, -2.0, 2.0, 0.0, -0.5, 2.0, 1e-30, -np.inf],
-                  jnp.float32)
-  expected = {1: [7], 2: [1, 7], 3: [1, 2, 7], 4: [1, 2, 5, 7],
-              5: [0, 1, 2, 5, 7], 6: [0, 1, 2, 4, 5, 7],
-              7: [0, 1, 2, 4, 5, 6, 7], 8: list(range(8))}
-  for keep, positions in expected.items():
-    mask = np.asarray(sparse.largest_mask(x, keep))
-    np.testing.assert_array_equal(np.flatnonzero(mask), positions)
+  for length, keep, bitmask in ((100, 50, True), (100, 3, False),
+                                (70000, 700, False), (20, 10, True)):
+    x = jnp.asarray(rng.standard_normal(length), jnp.float32)
+    positions = sparse.select_largest(x, keep)
+    encoded = sparse.encode_positions(positions, length)
+    assert sparse.uses_bitmask(length, keep) == bitmask
+    np.testing.assert_array_equal(
+        sparse.decode_positions(encoded, length, keep), positions)
+    assert encoded.nbytes + keep * 4 == sparse.payload_bytes(length, keep)
+    top = np.sort(np.argsort(-np.abs(np.asarray(x)))[:keep])
+    np.testing.assert_array_equal(positions, top)
 
 
 def _tree(islands, seed=5):
