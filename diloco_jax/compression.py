@@ -315,8 +315,9 @@ def _attributed(sent, unsent, share):
 
   Its own encoded values, less what re-encoding the chunk it reduced
   dropped: with error feedback the island keeps that mass and sends it
-  next round, and the islands' attributed contributions add up to the
-  mean exactly. An island with no weight sent nothing.
+  next round. Under a summing merge (top-k) the islands' attributed
+  contributions add up to the mean exactly. An island with no weight sent
+  nothing.
   """
   return communication.unscale(sent - unsent, share)
 
