@@ -51,14 +51,6 @@ def encode_positions(positions: jax.Array, length: int) -> jax.Array:
   return jnp.sum(mask.reshape(-1, 8) * weights, axis=1, dtype=jnp.uint8)
 
 
-def decode_positions(encoded: jax.Array, length: int, keep: int) -> jax.Array:
-  """Inverse of `encode_positions`: int32 positions [keep], increasing."""
-  if not uses_bitmask(length, keep):
-    return encoded.astype(jnp.int32)
-  (positions,) = jnp.nonzero(_unpack_bits(encoded), size=keep, fill_value=0)
-  return positions.astype(jnp.int32)
-
-
 def _unpack_bits(encoded: jax.Array) -> jax.Array:
   bits = (encoded[:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
   return bits.reshape(-1)

@@ -198,11 +198,13 @@ def test_sparse_positions_round_trip_as_indices_or_bitmask():
                                 (70000, 700, False), (20, 10, True)):
     x = jnp.asarray(rng.standard_normal(length), jnp.float32)
     positions = sparse.select_largest(x, keep)
-    encoded = sparse.encode_positions(positions, length)
+    payload = sparse.encode(x, keep)
     assert sparse.uses_bitmask(length, keep) == bitmask
-    np.testing.assert_array_equal(
-        sparse.decode_positions(encoded, length, keep), positions)
-    assert encoded.nbytes + keep * 4 == sparse.payload_bytes(length, keep)
+    decoded = np.asarray(sparse.decode(payload, length))
+    np.testing.assert_array_equal(np.flatnonzero(decoded), positions)
+    np.testing.assert_array_equal(decoded[positions], np.asarray(x)[positions])
+    assert (payload["positions"].nbytes + payload["values"].nbytes
+            == sparse.payload_bytes(length, keep))
     top = np.sort(np.argsort(-np.abs(np.asarray(x)))[:keep])
     np.testing.assert_array_equal(positions, top)
 
