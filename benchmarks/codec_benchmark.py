@@ -56,7 +56,8 @@ def main(argv):
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from diloco_jax import communication, compression as compression_lib, diloco, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax import model as model_lib, optimizers, placement  # pylint: disable=g-import-not-at-top
+  from diloco_jax.placement import PER_ISLAND, REPLICATED  # pylint: disable=g-import-not-at-top
 
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   names = _CODECS.value or list(compression_lib.CODECS)
@@ -75,17 +76,19 @@ def main(argv):
         f"{jax.devices()[0].device_kind}")
 
   one = mesh_lib.build_mesh(1)
-  replicated = lambda t: jax.tree.map(lambda _: P(), t)
   if "round_trip" in _SECTIONS.value:
     print("\nencode + decode of the whole pytree, one device:")
   for name in names if "round_trip" in _SECTIONS.value else []:
     compression = compression_for(name)
     codec_state = compression_lib.init_codec_state(tree, compression)
-    round_trip = jax.jit(jax.shard_map(
+    # One island: the tree gets its island axis inside the program.
+    mean = placement.island_map(
         lambda t, s, c=compression: compression_lib.island_mean(
             t, jnp.float32(1.0), c, s)[0],
-        mesh=one, in_specs=(replicated(tree), replicated(codec_state)),
-        out_specs=replicated(tree), check_vma=False))
+        one, in_specs=(PER_ISLAND, REPLICATED), out_specs=REPLICATED,
+        check_vma=False)
+    round_trip = jax.jit(lambda t, s, mean=mean: mean(
+        jax.tree.map(lambda x: x[None], t), s))
     first, seconds = _median_seconds(
         lambda f=round_trip, s=codec_state, t=tree: jax.block_until_ready(
             f(t, s)),

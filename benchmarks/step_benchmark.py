@@ -1,14 +1,24 @@
-r"""Inner/outer step cost and model FLOP utilization, on one device.
+r"""Inner step speed on one device: MFU, folded islands and microbatching.
 
-Prints, for the config's model and per-island batch:
-  * the DiLoCo inner step (k=1 mesh, shard_map, donated state) against a plain
-    jitted optax train step of the same model and batch (throughput ratio);
-  * the outer step's time as a fraction of H=100 inner steps;
-  * model FLOP utilization against an XLA f32 matmul measured in this run.
-Timings are medians over interleaved repeats, so both sides see the same
-machine noise.
+Sections (--sections; all by default), on the config's model with random
+tokens, each printing its figures (medians of interleaved repeats, so both
+sides of a comparison see the same machine noise):
+
+  step        the DiLoCo inner step (one island, the config's batch) against
+              a plain jitted optax step of the same model and batch; model
+              FLOP utilization against the device's peak for the compute
+              dtype (flops.py's table of GPUs/TPUs) and against a matmul of
+              that dtype measured in this run; the outer step against 100
+              inner steps.
+  fold        --fold_islands islands of batch --fold_batch folded onto the
+              one device against one island of batch islands x fold_batch.
+  microbatch  one island of batch --big_batch in --microbatches accumulated
+              parts against one island of the config's batch.
 
   python benchmarks/step_benchmark.py --config=configs/default.py
+  # The 150M model on a GPU (bf16; the C4 config needs no data here):
+  python benchmarks/step_benchmark.py --config=configs/c4_150m.py \
+      --config.data.batch_size=16 --big_batch=512
 """
 
 import functools
@@ -21,118 +31,218 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
                                           "Config whose model to measure.")
+_SECTIONS = flags.DEFINE_list("sections", ["step", "fold", "microbatch"],
+                              "Which comparisons to run.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Interleaved timing repeats.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Steps per timed block.")
+_FOLD_ISLANDS = flags.DEFINE_integer("fold_islands", 8,
+                                     "fold: islands stacked on the device.")
+_FOLD_BATCH = flags.DEFINE_integer("fold_batch", 8,
+                                   "fold: per-island batch of those islands.")
+_BIG_BATCH = flags.DEFINE_integer(
+    "big_batch", None, "microbatch: the accumulated batch (default: "
+    "microbatches x the config's batch).")
+_MICROBATCHES = flags.DEFINE_integer("microbatches", 32,
+                                     "microbatch: parts of big_batch.")
 
 
-def _time_block(fn, steps: int) -> float:
-  """Seconds per call of fn(), which must block on its own result."""
+def _time_block(run, steps: int) -> float:
+  """Seconds per step of `run(steps)`, which must block at its end."""
   start = time.perf_counter()
-  for _ in range(steps):
-    fn()
+  run(steps)
   return (time.perf_counter() - start) / steps
+
+
+def _interleaved(runs: dict, repeats: int, steps: int) -> dict:
+  """Median seconds per step of each run, timed in turns."""
+  for run in runs.values():  # compile and warm up
+    run(2)
+  samples = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      samples[name].append(_time_block(run, steps))
+  return {name: statistics.median(times) for name, times in samples.items()}
+
+
+class InnerSteps:
+  """The DiLoCo inner step of `islands` islands folded onto one device."""
+
+  def __init__(self, config, islands: int, batch_size: int,
+               microbatches: int = 1):
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+    from diloco_jax import diloco, mesh as mesh_lib, model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
+    self.tokens_per_step = islands * batch_size * config.data.sequence_length
+    mesh = mesh_lib.build_mesh(islands, devices=jax.devices()[:1])
+    loss_fn = functools.partial(model_lib.next_token_loss,
+                                model_lib.graphdef(config.model))
+    inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
+                                           config.total_steps)
+    outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
+    init = lambda: diloco.init_state(
+        model_lib.new_params(config.model, config.seed), inner_opt, outer_opt,
+        islands)
+    shardings = diloco.state_shardings(jax.eval_shape(init), mesh)
+    self.state = jax.jit(init, out_shardings=shardings)()
+    tokens = np.random.default_rng(0).integers(
+        0, config.model.vocab_size,
+        (islands, batch_size, config.data.sequence_length + 1), np.int32)
+    self.batch = jax.device_put(tokens,
+                                NamedSharding(mesh, diloco.BATCH_SPEC))
+    self.step = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+                                       microbatches=microbatches)
+    self.outer = diloco.make_outer_step(outer_opt, mesh)
+    self.weights = jax.device_put(
+        np.ones(islands, np.float32),
+        NamedSharding(mesh, jax.sharding.PartitionSpec(mesh_lib.ISLAND)))
+
+  def __call__(self, steps: int) -> None:
+    import jax  # pylint: disable=g-import-not-at-top
+    for _ in range(steps):
+      self.state, metrics = self.step(self.state, self.batch)
+    jax.block_until_ready(metrics["loss"])
+
+  def outer_steps(self, steps: int) -> None:
+    import jax  # pylint: disable=g-import-not-at-top
+    for _ in range(steps):
+      self.state = self.outer(self.state, self.weights)
+    jax.block_until_ready(self.state.global_params)
+
+
+def _plain_steps(config):
+  """A plain jitted optax train step of the same model and batch."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from diloco_jax import model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
+  loss_fn = functools.partial(model_lib.next_token_loss,
+                              model_lib.graphdef(config.model))
+  opt = optimizers.inner_optimizer(config.inner_optimizer, config.total_steps)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = jax.jit(lambda: model_lib.new_params(config.model, config.seed))()
+  holder = {"params": params, "opt": jax.jit(opt.init)(params)}
+  batch = jax.device_put(np.random.default_rng(0).integers(
+      0, config.model.vocab_size,
+      (config.data.batch_size, config.data.sequence_length + 1), np.int32))
+
+  def run(steps: int) -> None:
+    for _ in range(steps):
+      holder["params"], holder["opt"], loss = step(holder["params"],
+                                                   holder["opt"], batch)
+    loss.block_until_ready()
+
+  return run
+
+
+def _matmul_flops_per_s(dtype_name: str, on_cpu: bool) -> float:
+  """The best of two square matmuls in the compute dtype, in FLOP/s."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from diloco_jax import flops  # pylint: disable=g-import-not-at-top
+  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
+  best = 0.0
+  for n in ((1024, 2048) if on_cpu else (4096, 8192)):
+    keys = jax.random.split(jax.random.key(n))
+    a = jax.random.normal(keys[0], (n, n), dtype)
+    b = jax.random.normal(keys[1], (n, n), dtype)
+    matmul = jax.jit(jnp.matmul)
+
+    def run(steps, a=a, b=b, matmul=matmul):
+      for _ in range(steps):
+        out = matmul(a, b)
+      out.block_until_ready()
+
+    seconds = _interleaved({"mm": run}, 5, 3 if on_cpu else 20)["mm"]
+    best = max(best, flops.matmul_flops(n, n, n) / seconds)
+  return best
+
+
+def _step_section(config) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  from diloco_jax import flops, model as model_lib  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  on_cpu = device.platform == "cpu"
+  inner = InnerSteps(config, 1, config.data.batch_size)
+  med = _interleaved({"plain": _plain_steps(config), "inner": inner},
+                     _REPEATS.value, _STEPS.value)
+  med.update(_interleaved({"outer": inner.outer_steps}, _REPEATS.value,
+                          _STEPS.value))
+  tokens = inner.tokens_per_step
+  model_flops = flops.training_flops_per_token(
+      config.model, config.data.sequence_length) * tokens / med["inner"]
+  print(f"step: 1 island, batch {config.data.batch_size} x "
+        f"{config.data.sequence_length}, attention "
+        f"{model_lib.attention_implementation(config.model)}, remat "
+        f"{config.model.remat}")
+  print(f"  plain optax step      {med['plain'] * 1e3:9.2f} ms  "
+        f"{tokens / med['plain']:12,.0f} tokens/s")
+  print(f"  DiLoCo inner step     {med['inner'] * 1e3:9.2f} ms  "
+        f"{tokens / med['inner']:12,.0f} tokens/s")
+  print(f"    plain time / inner time: {med['plain'] / med['inner']:.3f}"
+        "  (target >= 0.97)")
+  print(f"  DiLoCo outer step     {med['outer'] * 1e3:9.2f} ms = "
+        f"{med['outer'] / med['inner']:.3f}% of 100 inner steps"
+        "  (target <= 1%)")
+  matmul = _matmul_flops_per_s(config.model.dtype, on_cpu)
+  print(f"  {config.model.dtype} matmul (this run)  {matmul / 1e12:9.2f} "
+        "TFLOP/s")
+  print(f"  model FLOP/s          {model_flops / 1e12:9.2f} TFLOP/s "
+        f"({flops.training_flops_per_token(config.model, config.data.sequence_length) / 1e9:.3f} GFLOP per token)")
+  peak = flops.peak_flops_per_s(device.device_kind, config.model.dtype)
+  if peak:
+    print(f"    MFU vs the {device.device_kind} {config.model.dtype} peak "
+          f"({peak / 1e12:.0f} TFLOP/s): {model_flops / peak:.1%}")
+  else:
+    print(f"    no {config.model.dtype} peak on record for "
+          f"{device.device_kind!r}")
+  print(f"    vs the {config.model.dtype} matmul measured above: "
+        f"{model_flops / matmul:.1%}", flush=True)
+
+
+def _ratio_section(title: str, runs: dict) -> None:
+  import gc  # pylint: disable=g-import-not-at-top
+  med = _interleaved(runs, _REPEATS.value, max(_STEPS.value // 2, 2))
+  rates = {name: run.tokens_per_step / med[name] for name, run in runs.items()}
+  (first, first_rate), (second, second_rate) = rates.items()
+  print(title)
+  for name, rate in rates.items():
+    print(f"  {name:32s} {med[name] * 1e3:9.2f} ms  {rate:12,.0f} tokens/s")
+  print(f"    {first} / {second}: {first_rate / second_rate:.3f}", flush=True)
+  runs.clear()
+  gc.collect()
 
 
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from diloco_jax import diloco, flops, mesh as mesh_lib, model as model_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax import optimizers  # pylint: disable=g-import-not-at-top
-
   config = _CONFIG.value
-  seq_len, batch_size = config.data.sequence_length, config.data.batch_size
-  graphdef, params = model_lib.init_params(config.model, config.seed)
-  loss_fn = functools.partial(model_lib.next_token_loss, graphdef)
-  inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
-                                         config.total_steps)
-  outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, config.model.vocab_size,
-                        (batch_size, seq_len + 1), dtype=np.int32)
-
-  # Plain optax training step: the reference every framework would write.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def plain_step(p, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-    updates, opt_state = inner_opt.update(grads, opt_state, p)
-    return optax.apply_updates(p, updates), opt_state, loss
-
-  plain = {"params": jax.tree.map(jnp.array, params)}
-  plain["opt"] = inner_opt.init(plain["params"])
-  plain_batch = jnp.asarray(tokens)
-
-  def run_plain():
-    plain["params"], plain["opt"], loss = plain_step(
-        plain["params"], plain["opt"], plain_batch)
-    loss.block_until_ready()
-
-  # DiLoCo on a one-device (1, 1, 1) mesh.
-  mesh = mesh_lib.build_mesh(1, 1, 1, devices=jax.devices()[:1])
-  state = diloco.init_state(params, inner_opt, outer_opt, 1)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
-  island_batch = jax.device_put(tokens[None],
-                                NamedSharding(mesh, diloco.BATCH_SPEC))
-  weights = jax.device_put(jnp.ones((1,), jnp.float32), NamedSharding(
-      mesh, jax.sharding.PartitionSpec(mesh_lib.ISLAND)))
-  inner_step = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh)
-  holder = {"state": state}
-
-  def run_inner():
-    holder["state"], metrics = inner_step(holder["state"], island_batch)
-    metrics["loss"].block_until_ready()
-
-  def run_outer():
-    holder["state"] = outer_step(holder["state"], weights)
-    jax.block_until_ready(holder["state"].global_params)
-
-  # XLA f32 matmul ceiling, in this process.
-  matmuls = {}
-  for n in (1024, 2048):
-    a = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    matmuls[n] = (functools.partial(lambda m, x, y: m(x, y).block_until_ready(),
-                                    mm, a, b), flops.matmul_flops(n, n, n))
-
-  for fn in (run_plain, run_inner, run_outer, *(f for f, _ in matmuls.values())):
-    fn()  # compile and warm up
-    fn()
-
-  samples = {"plain": [], "inner": [], "outer": [], 1024: [], 2048: []}
-  for _ in range(_REPEATS.value):
-    samples["plain"].append(_time_block(run_plain, _STEPS.value))
-    samples["inner"].append(_time_block(run_inner, _STEPS.value))
-    samples["outer"].append(_time_block(run_outer, _STEPS.value))
-    for n, (fn, _) in matmuls.items():
-      samples[n].append(_time_block(fn, 3))
-  med = {k: statistics.median(v) for k, v in samples.items()}
-
-  matmul_gflops = max(matmuls[n][1] / med[n] for n in matmuls) / 1e9
-  flops_per_step = flops.training_flops_per_token(config.model, seq_len) * (
-      batch_size * seq_len)
-  model_gflops = flops_per_step / med["inner"] / 1e9
-  num_params = model_lib.count_params(params)
-
-  print(f"device: {jax.devices()[0].device_kind} x1, jax {jax.__version__}")
-  print(f"model: {num_params:,} params, batch {batch_size} x {seq_len} tokens")
-  print(f"plain optax step      {med['plain'] * 1e3:9.2f} ms")
-  print(f"DiLoCo inner step     {med['inner'] * 1e3:9.2f} ms")
-  print(f"  throughput ratio (plain time / inner time): "
-        f"{med['plain'] / med['inner']:.3f}  (target >= 0.97)")
-  print(f"DiLoCo outer step     {med['outer'] * 1e3:9.2f} ms")
-  # As a percentage of a round of H=100 inner steps: 100 * outer / (100 * inner).
-  print(f"  outer / (100 x inner): {med['outer'] / med['inner']:.3f}%"
-        "  (target <= 1%)")
-  for n in matmuls:
-    print(f"f32 matmul {n}^3      {matmuls[n][1] / med[n] / 1e9:9.1f} GFLOP/s")
-  print(f"model FLOP/s          {model_gflops:9.1f} GFLOP/s  "
-        f"({flops_per_step / 1e9:.2f} GFLOP per step)")
-  print(f"  MFU vs best matmul: {model_gflops / matmul_gflops:.1%}")
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} ({device.platform}), jax "
+        f"{jax.__version__}; model dtype {config.model.dtype}, "
+        f"{config.model.num_layers} x {config.model.d_model}, vocab "
+        f"{config.model.vocab_size}", flush=True)
+  if "step" in _SECTIONS.value:
+    _step_section(config)
+  if "fold" in _SECTIONS.value:
+    k, b = _FOLD_ISLANDS.value, _FOLD_BATCH.value
+    _ratio_section("fold: islands stacked on one device vs one island", {
+        f"{k} islands x batch {b}, folded": InnerSteps(config, k, b),
+        f"1 island x batch {k * b}": InnerSteps(config, 1, k * b)})
+  if "microbatch" in _SECTIONS.value:
+    parts = _MICROBATCHES.value
+    big = _BIG_BATCH.value or parts * config.data.batch_size
+    _ratio_section("microbatch: gradient accumulation vs the plain batch", {
+        f"batch {big} in {parts} microbatches": InnerSteps(config, 1, big,
+                                                           parts),
+        f"batch {config.data.batch_size}": InnerSteps(
+            config, 1, config.data.batch_size)})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The one communication boundary: every cross-island collective goes here.
 
-Everything here runs inside a shard_map over the 'island' axis and is the
-only code that crosses the slow link; each collective has a companion that
-says how many bytes one island sends for it. Codecs (compression.py) are
+Everything here runs per logical island (inside `placement.island_map`) and
+is the only code that crosses the slow link; each collective has a
+companion that says how many bytes one island sends for it. Bytes are
+counted per logical island, as if each were its own host, whether islands
+sit on separate devices or are folded onto one. Codecs (compression.py) are
 built from these primitives; the active-island mask and the choice of
 communication devices plug in here and nowhere else.
 
@@ -26,12 +28,67 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from diloco_jax import codecs
-from diloco_jax.mesh import ISLAND
+from diloco_jax.mesh import ISLANDS
+
+# The island axes: a mesh axis name, or (device axis, folded vmap axis) for
+# islands folded onto devices (mesh.ISLANDS, the default). Island i of a
+# nested pair (D, a) is D * (folded size) + a. Levels of size 1 are skipped,
+# so a one-device run holds no cross-device collective.
+Axes = str | tuple[str, ...]
 
 
-def weight_share(weight, axis_name: str = ISLAND):
+def _levels(axes: Axes) -> list[tuple[str, int]]:
+  """(name, size) of each island axis, outermost first."""
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  return [(name, jax.lax.axis_size(name)) for name in names]
+
+
+def island_count(axes: Axes = ISLANDS) -> int:
+  """k, the number of logical islands (a Python int)."""
+  return math.prod(size for _, size in _levels(axes))
+
+
+def island_index(axes: Axes = ISLANDS) -> jax.Array:
+  """This island's index in 0..k-1."""
+  index = jnp.zeros((), jnp.int32)
+  for name, size in _levels(axes):
+    index = index * size + (jax.lax.axis_index(name) if size > 1 else 0)
+  return index
+
+
+def island_psum(tree, axes: Axes = ISLANDS):
+  """Sum over every island, the same on every island."""
+  names = tuple(name for name, size in _levels(axes) if size > 1)
+  return jax.lax.psum(tree, names) if names else tree
+
+
+def island_all_gather(x: jax.Array, axes: Axes = ISLANDS) -> jax.Array:
+  """Every island's `x`, stacked [k, ...] in island order."""
+  x = x[None]
+  for name, size in reversed(_levels(axes)):  # the folded axis first
+    if size > 1:
+      x = jax.lax.all_gather(x, name, axis=0, tiled=True)
+  return x
+
+
+def island_all_to_all(x: jax.Array, axes: Axes = ISLANDS) -> jax.Array:
+  """Island j gets row j of every island's [k, ...] `x`, stacked by source.
+
+  On nested axes the exchange runs level by level: row (E, b) goes to
+  device slot E over the device axis, then to folded island b over the
+  folded axis.
+  """
+  levels = _levels(axes)
+  rows = x.reshape(*(size for _, size in levels), *x.shape[1:])
+  for position, (name, size) in enumerate(levels):
+    if size > 1:
+      rows = jax.lax.all_to_all(rows, name, position, position, tiled=True)
+  return rows.reshape(x.shape)
+
+
+def weight_share(weight, axes: Axes = ISLANDS):
   """This island's share w_i / sum_j w_j of the total weight (a psum)."""
-  return weight / jax.lax.psum(weight, axis_name)
+  return weight / island_psum(weight, axes)
 
 
 def weight_share_bytes(num_islands: int) -> int:
@@ -40,7 +97,7 @@ def weight_share_bytes(num_islands: int) -> int:
 
 
 def chunked_reduce(chunks, encode, decode, reduce=None,
-                   keys: jax.Array | None = None, axis_name: str = ISLAND):
+                   keys: jax.Array | None = None, axes: Axes = ISLANDS):
   """The two phases of a ring all-reduce, carrying encoded chunks.
 
   Island j reduces chunk j: an all_to_all hands it every island's encoded
@@ -56,7 +113,7 @@ def chunked_reduce(chunks, encode, decode, reduce=None,
       reduced chunk; None sums them.
     keys: None, or k + 1 PRNG keys for the encoder (the sent chunks', then
       the reduced chunk's).
-    axis_name: the island mesh axis.
+    axes: the island axes.
 
   Returns:
     (total, sent, unsent), each [k, ...]: the reduced chunks as every island
@@ -67,16 +124,14 @@ def chunked_reduce(chunks, encode, decode, reduce=None,
   send_keys, reduce_key = (None, None) if keys is None else (keys[:-1],
                                                              keys[-1])
   sent = jax.vmap(encode)(chunks, send_keys)
-  received = jax.tree.map(
-      lambda p: jax.lax.all_to_all(p, axis_name, 0, 0, tiled=True), sent)
+  received = jax.tree.map(lambda p: island_all_to_all(p, axes), sent)
   decoded = jax.vmap(decode)(received)
   reduced = (jnp.sum(decoded, axis=0) if reduce is None
              else reduce(decoded))
   reduced_payload = encode(reduced, reduce_key)
-  gathered = jax.tree.map(lambda p: jax.lax.all_gather(p, axis_name, axis=0),
-                          reduced_payload)
+  gathered = gather(reduced_payload, axes)
   total = jax.vmap(decode)(gathered)
-  own = jax.lax.axis_index(axis_name)
+  own = island_index(axes)
   unsent = jnp.zeros_like(chunks).at[own].set(
       reduced - decode(reduced_payload))
   return total, jax.vmap(decode)(sent), unsent
@@ -87,14 +142,14 @@ def chunked_reduce_bytes(chunk_payload_bytes: int, num_islands: int) -> int:
   return 2 * max(num_islands - 1, 0) * chunk_payload_bytes
 
 
-def dense_sum(values: jax.Array, axis_name: str = ISLAND,
+def dense_sum(values: jax.Array, axes: Axes = ISLANDS,
               codec: codecs.DenseCodec | None = None,
               key: jax.Array | None = None):
   """Sum over islands of a flat float32 vector, through a dense codec.
 
   Args:
     values: this island's contribution [n] (already weighted).
-    axis_name: the island mesh axis.
+    axes: the island axes.
     codec: None or fp32 for a plain psum; otherwise `chunked_reduce` with
       the codec on each chunk.
     key: PRNG key for the codec's stochastic rounding (None: nearest).
@@ -104,8 +159,8 @@ def dense_sum(values: jax.Array, axis_name: str = ISLAND,
     island's contribution became after encoding [n].
   """
   if codec is None or codec.is_identity:
-    return jax.lax.psum(values, axis_name), values
-  num_islands = jax.lax.psum(1, axis_name)
+    return island_psum(values, axes), values
+  num_islands = island_count(axes)
   n = values.size
   codec = _chunk_codec(codec, n, num_islands)
   chunk = _chunk_length(n, num_islands, codec.block_size)
@@ -115,7 +170,7 @@ def dense_sum(values: jax.Array, axis_name: str = ISLAND,
   if key is not None:  # independent rounding noise per chunk and phase
     keys = jax.random.split(key, num_islands + 1)
   total, sent, _ = chunked_reduce(chunks, codec.encode, codec.decode,
-                                  keys=keys, axis_name=axis_name)
+                                  keys=keys, axes=axes)
   return total.reshape(-1)[:n], sent.reshape(-1)[:n]
 
 
@@ -131,10 +186,9 @@ def dense_sum_bytes(num_values: int, num_islands: int,
   return chunked_reduce_bytes(codec.payload_bytes(chunk), num_islands)
 
 
-def gather(payload, axis_name: str = ISLAND):
+def gather(payload, axes: Axes = ISLANDS):
   """Every island's payload (a pytree of arrays), stacked [islands, ...]."""
-  return jax.tree.map(lambda p: jax.lax.all_gather(p, axis_name, axis=0),
-                      payload)
+  return jax.tree.map(lambda p: island_all_gather(p, axes), payload)
 
 
 def gather_bytes(payload_bytes: int, num_islands: int) -> int:
@@ -142,17 +196,18 @@ def gather_bytes(payload_bytes: int, num_islands: int) -> int:
   return max(num_islands - 1, 0) * payload_bytes
 
 
-def island_mean(tree, weight, axis_name: str = ISLAND,
+def island_mean(tree, weight, axes: Axes = ISLANDS,
                 codec: codecs.DenseCodec | None = None,
                 key: jax.Array | None = None, return_sent: bool = False):
   """Weighted mean of `tree` over the islands, identical on every island.
 
-  Must be called inside a shard_map (or pmap) that names `axis_name`.
+  Must be called per island, inside `placement.island_map` (or a
+  shard_map/vmap that names `axes`).
 
   Args:
     tree: this island's pytree of arrays (e.g. its pseudo-gradient).
     weight: this island's scalar weight (tokens it processed; 0 if inactive).
-    axis_name: the mesh axis along which islands are laid out.
+    axes: the island axes.
     codec: how values cross the link; None or fp32 sends them uncompressed.
     key: a PRNG key for the codec's stochastic rounding (None: nearest).
     return_sent: also return what this island's contribution became after
@@ -163,17 +218,17 @@ def island_mean(tree, weight, axis_name: str = ISLAND,
     through the codec), in the leaves' own dtypes; with `return_sent`, the
     pair (mean, sent).
   """
-  share = weight_share(weight, axis_name)
+  share = weight_share(weight, axes)
   if codec is None or codec.is_identity:
     # Accumulate in float32 whatever the leaves' dtype: summing in low
     # precision loses the small pseudo-gradients of late training.
     weighted = jax.tree.map(lambda x: x.astype(np.float32) * share, tree)
-    summed = jax.lax.psum(weighted, axis_name)
+    summed = island_psum(weighted, axes)
     mean = jax.tree.map(lambda s, x: s.astype(x.dtype), summed, tree)
     return (mean, tree) if return_sent else mean
   flat, unravel = ravel_pytree(
       jax.tree.map(lambda x: x.astype(jnp.float32), tree))
-  mean, sent = dense_sum(flat * share, axis_name, codec, key)
+  mean, sent = dense_sum(flat * share, axes, codec, key)
   # What this island's contribution became, back in its own units; an
   # island with no weight sent nothing.
   sent = unscale(sent, share)
@@ -189,7 +244,7 @@ def island_mean_bytes(tree, num_islands: int,
   Args:
     tree: a pytree of arrays or of jax.ShapeDtypeStruct with one island's
       shapes (no leading island dimension).
-    num_islands: k, the size of the 'island' axis.
+    num_islands: k, the number of logical islands.
     codec: as passed to island_mean.
   """
   total = weight_share_bytes(num_islands)

@@ -42,7 +42,7 @@ from diloco_jax import codecs
 from diloco_jax import communication
 from diloco_jax import lowrank
 from diloco_jax import sparse
-from diloco_jax.mesh import ISLAND
+from diloco_jax.mesh import ISLANDS
 
 STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
 CODECS = codecs.DENSE_CODECS + STRUCTURED_CODECS
@@ -145,10 +145,10 @@ def init_codec_state(params, compression: Compression, seed: int = 0):
 
 
 def island_mean(tree, weight, compression: Compression, codec_state=None,
-                key: jax.Array | None = None, axis_name: str = ISLAND):
+                key: jax.Array | None = None, axes=ISLANDS):
   """Weighted mean of `tree` over the islands through `compression`.
 
-  Must be called inside a shard_map that names `axis_name`.
+  Must be called per island, inside `placement.island_map`.
 
   Args:
     tree: this island's pytree (e.g. its pseudo-gradient plus residual).
@@ -156,7 +156,7 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
     compression: the codec.
     codec_state: as made by init_codec_state (replicated).
     key: PRNG key for stochastic rounding, or None for round to nearest.
-    axis_name: the island mesh axis.
+    axes: the island axes (see communication).
 
   Returns:
     (mean, sent, codec_state): the mean, identical on every island; what
@@ -165,10 +165,10 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   """
   if compression.is_dense:
     mean, sent = communication.island_mean(
-        tree, weight, axis_name, compression.dense, key, return_sent=True)
+        tree, weight, axes, compression.dense, key, return_sent=True)
     return mean, sent, codec_state
   leaves, treedef = jax.tree.flatten(tree)
-  share = communication.weight_share(weight, axis_name)
+  share = communication.weight_share(weight, axes)
   structured = [compression.is_structured_leaf(x.shape) for x in leaves]
   leaf_keys = [None if key is None else jax.random.fold_in(key, i)
                for i in range(len(leaves) + 1)]
@@ -176,24 +176,24 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   small = [i for i, s in enumerate(structured) if not s]
   if small:
     _small_leaves_mean(leaves, small, share, compression, leaf_keys[-1],
-                       axis_name, means, sents)
+                       axes, means, sents)
   matrices = [i for i, s in enumerate(structured) if s]
   new_state = _matrices_mean(leaves, matrices, share, compression,
-                             codec_state, leaf_keys, axis_name, means, sents)
+                             codec_state, leaf_keys, axes, means, sents)
   cast = lambda values: jax.tree.unflatten(
       treedef, [v.astype(x.dtype) for v, x in zip(values, leaves)])
   return cast(means), cast(sents), new_state
 
 
 def _small_leaves_mean(leaves, indices, share, compression: Compression,
-                       key, axis_name: str, means: list, sents: list) -> None:
+                       key, axes, means: list, sents: list) -> None:
   """Vectors and small tensors: one dense collective for all of them.
 
   Writes each leaf's mean and what was sent into `means` and `sents`.
   """
   flat, unravel = ravel_pytree([leaves[i].astype(jnp.float32)
                                 for i in indices])
-  total, sent = communication.dense_sum(flat * share, axis_name,
+  total, sent = communication.dense_sum(flat * share, axes,
                                         compression.dense, key)
   for i, m, s in zip(indices, unravel(total),
                      unravel(communication.unscale(sent, share))):
@@ -201,7 +201,7 @@ def _small_leaves_mean(leaves, indices, share, compression: Compression,
 
 
 def _matrices_mean(leaves, indices, share, compression: Compression,
-                   codec_state, leaf_keys, axis_name: str, means: list,
+                   codec_state, leaf_keys, axes, means: list,
                    sents: list):
   """The structured codec on each matrix; returns the new codec state.
 
@@ -210,16 +210,16 @@ def _matrices_mean(leaves, indices, share, compression: Compression,
   with depth.
   """
   if compression.name == "sign_prune" and indices:
-    island_shares = communication.gather(share, axis_name)  # [k]
+    island_shares = communication.gather(share, axes)  # [k]
 
   def one_matrix(m, leaf_state, leaf_key):
     if compression.is_lowrank:
       return _lowrank_mean(m, share, leaf_state, compression, leaf_key,
-                           axis_name)
+                           axes)
     if compression.name == "topk":
-      return (*_topk_mean(m, share, compression, axis_name), None)
+      return (*_topk_mean(m, share, compression, axes), None)
     return (*_sign_prune_mean(m, share, island_shares, compression,
-                              axis_name), None)
+                              axes), None)
 
   new_state = list(codec_state) if compression.is_lowrank else None
   stack = lambda items: jax.tree.map(lambda *xs: jnp.stack(xs), *items)
@@ -254,26 +254,26 @@ def _groups_by_shape(indices, leaves) -> list[list[int]]:
   return list(groups.values())
 
 
-def _topk_mean(m, share, compression: Compression, axis_name: str):
+def _topk_mean(m, share, compression: Compression, axes):
   # Top-k per island chunk (n/k values), so the reduce-scatter + all-gather
   # carries sparse chunks both ways; the reduced chunk is cut back to the
   # same count before the all-gather.
-  num_islands = jax.lax.psum(1, axis_name)
+  num_islands = communication.island_count(axes)
   chunks, chunk = _flat_chunks(m * share, num_islands)
   keep = sparse.keep_count(chunk, compression.topk_fraction)
   total, sent, unsent = communication.chunked_reduce(
       chunks, lambda x, _: sparse.encode(x, keep),
-      lambda p: sparse.decode(p, chunk), axis_name=axis_name)
+      lambda p: sparse.decode(p, chunk), axes=axes)
   unchunk = lambda x: x.reshape(-1)[:m.size].reshape(m.shape)
   return unchunk(total), _attributed(unchunk(sent), unchunk(unsent), share)
 
 
 def _sign_prune_mean(m, share, island_shares, compression: Compression,
-                     axis_name: str):
+                     axes):
   # A neuron is a column (output feature); prune among its incoming values.
   # Island j merges neurons j*c .. (j+1)*c - 1 and prunes the merged neurons
   # again at the same rate for the all-gather.
-  num_islands = jax.lax.psum(1, axis_name)
+  num_islands = communication.island_count(axes)
   rows, cols = m.shape
   per_island = math.ceil(cols / num_islands)
   neurons = jnp.pad((m * share).T, ((0, per_island * num_islands - cols),
@@ -284,7 +284,7 @@ def _sign_prune_mean(m, share, island_shares, compression: Compression,
   total, sent, unsent = communication.chunked_reduce(
       neurons.reshape(num_islands, per_island, rows), encode, decode,
       lambda received: _ties_merge(received, island_shares),
-      axis_name=axis_name)
+      axes=axes)
   unchunk = lambda x: x.reshape(-1, rows)[:cols].T
   return unchunk(total), _attributed(unchunk(sent), unchunk(unsent), share)
 
@@ -323,7 +323,7 @@ def _attributed(sent, unsent, share):
 
 
 def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
-                  axis_name: str):
+                  axes):
   ranks = compression.ranks
   adaptive = compression.name == "adaptive_lowrank"
   factor_codec = compression.factor_codec if adaptive else None
@@ -337,7 +337,7 @@ def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
     # rather than the strongest component's (their magnitudes follow the
     # singular values, so a row-major block would zero the weak ones).
     def factor_sum(factor, key):
-      total, sent = communication.dense_sum(factor.T.reshape(-1), axis_name,
+      total, sent = communication.dense_sum(factor.T.reshape(-1), axes,
                                             factor_codec, key)
       return (total.reshape(factor.shape[::-1]).T,
               sent.reshape(factor.shape[::-1]).T)
@@ -352,7 +352,7 @@ def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
       if adaptive:
         energy, _ = communication.dense_sum(
             share * jnp.concatenate([jnp.sum(coefficients ** 2, axis=0),
-                                     jnp.sum(m ** 2)[None]]), axis_name)
+                                     jnp.sum(m ** 2)[None]]), axes)
         next_index = lowrank.choose_rank_index(
             energy[:r], energy[r], ranks, index, compression.energy_fraction)
       return (p_hat @ c.T, p_hat @ c_sent.T, lowrank.next_basis(c, basis),

@@ -67,9 +67,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.inner_optimizer.grad_clip_norm = 1.0  # 0 disables clipping
 
   # Mesh axes inside an island; the 'island' axis size is diloco.islands.
+  # Islands need no field: they fold onto the devices there are (k / d per
+  # device slot, d the largest divisor of k that fits).
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.stage = 1
+  # Shard params, gradients and inner optimizer states over the island's
+  # 'data' devices (FSDP) instead of replicating them.
+  c.mesh.fsdp = False
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 257  # byte-level: 256 bytes + EOS
@@ -83,6 +88,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.rope_base = 10000.0
+  # jax.nn.dot_product_attention implementation: 'auto' (cuDNN flash
+  # attention on NVIDIA GPUs for bf16, XLA elsewhere) | 'xla' | 'cudnn'.
+  c.model.attention = "auto"
+  # Recompute each block's activations in the backward pass (less memory,
+  # about a third more compute).
+  c.model.remat = False
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = "embedded"  # 'embedded' | 'synthetic' | 'text_files' | 'c4'
@@ -94,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.island_split = "iid"
   c.data.sequence_length = 128
   c.data.batch_size = 16  # per island (per worker); ddp global = islands x this
+  # Gradient accumulation: each inner step runs the island's batch in this
+  # many sequential parts (same update, less activation memory).
+  c.data.microbatches = 1
   c.data.validation_fraction = 0.05
   c.data.seed = 0
   c.data.synthetic = ml_collections.ConfigDict()

@@ -1,11 +1,14 @@
 """DiLoCo's state and its two compiled steps, as pure functions over pytrees.
 
-State layout (DESIGN.md §2): the global params x and the outer optimizer state
-are replicated; island params y_i and inner optimizer states are stacked with a
-leading island dimension sharded over the 'island' mesh axis. The inner step
-advances every island at once; the outer step averages the pseudo-gradients
-x - y_i across islands (through `communication.island_mean`), applies the outer
-optimizer and resets every island to the new x.
+State layout: the global params x and the outer optimizer state are the same
+for every island; island params y_i and inner optimizer states are stacked
+with a leading axis of the k logical islands, split over the mesh's 'island'
+device slots (k / slots islands folded on each, see mesh.py). Inside an
+island, arrays are replicated over its 'data' devices, or split over them
+with FSDP (placement.fsdp_spec). The inner step advances every island at
+once; the outer step averages the pseudo-gradients x - y_i across islands
+(through the communication boundary), applies the outer optimizer and
+resets every island to the new x.
 
 The same inner step serves all three modes: `ddp` additionally averages the
 gradients across islands every step, `single` is one island that never syncs.
@@ -21,7 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import communication
 from diloco_jax import compression as compression_lib
+from diloco_jax import placement
 from diloco_jax.mesh import DATA, ISLAND
+from diloco_jax.placement import PER_ISLAND, REPLICATED
 
 LossFn = Callable[[Any, jax.Array], jax.Array]  # (params, sequences) -> loss
 
@@ -32,9 +37,9 @@ class TrainState(flax.struct.PyTreeNode):
   Attributes:
     step: inner steps taken by every island so far.
     round: outer steps taken so far.
-    global_params: x, the outer parameters (replicated).
-    outer_opt_state: the outer optimizer's state (replicated).
-    island_params: y, stacked [islands, ...], sharded over 'island'.
+    global_params: x, the outer parameters (the same for every island).
+    outer_opt_state: the outer optimizer's state (likewise).
+    island_params: y, stacked [islands, ...], split over 'island'.
     inner_opt_state: the inner optimizers' states, stacked the same way.
     residuals: error feedback: per island, the part of its pseudo-gradients
       the codec has not sent yet (stacked like island_params), or None.
@@ -58,6 +63,11 @@ def _stack(tree, n: int):
 def _zero_residuals(params, num_islands: int):
   return jax.tree.map(
       lambda x: jnp.zeros((num_islands,) + x.shape, jnp.float32), params)
+
+
+def num_islands(state: TrainState) -> int:
+  """k, the number of logical islands in `state`."""
+  return jax.tree.leaves(state.island_params)[0].shape[0]
 
 
 def init_state(params, inner_opt: optax.GradientTransformation,
@@ -85,80 +95,114 @@ def init_state(params, inner_opt: optax.GradientTransformation,
   )
 
 
-def state_partition_specs(state: TrainState) -> TrainState:
-  """Where each part of the state lives on the (island, data, stage) mesh."""
-  replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
-  per_island = lambda tree: jax.tree.map(lambda _: P(ISLAND), tree)
+def state_partition_specs(state: TrainState, data_size: int = 1,
+                          fsdp: bool = False) -> TrainState:
+  """Where each part of the state lives on the (island, data, stage) mesh.
+
+  With `fsdp`, params, optimizer states and residuals are split over the
+  island's `data_size` devices by placement.fsdp_spec; the codec state
+  (small bases) is replicated.
+  """
+  shared = lambda tree: placement.tree_specs(tree, data_size, fsdp, False)
+  per_island = lambda tree: placement.tree_specs(tree, data_size, fsdp, True)
   return TrainState(
       step=P(), round=P(),
-      global_params=replicated(state.global_params),
-      outer_opt_state=replicated(state.outer_opt_state),
+      global_params=shared(state.global_params),
+      outer_opt_state=shared(state.outer_opt_state),
       island_params=per_island(state.island_params),
       inner_opt_state=per_island(state.inner_opt_state),
       residuals=per_island(state.residuals),
-      codec_state=replicated(state.codec_state),
+      codec_state=jax.tree.map(lambda _: P(), state.codec_state),
   )
 
 
-def state_shardings(state: TrainState, mesh) -> TrainState:
+def state_shardings(state: TrainState, mesh, fsdp: bool = False) -> TrainState:
   """NamedShardings for `state` on `mesh` (see state_partition_specs)."""
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                      state_partition_specs(state),
+                      state_partition_specs(state, mesh.shape[DATA], fsdp),
                       is_leaf=lambda x: isinstance(x, P))
 
 
 BATCH_SPEC = P(ISLAND, DATA)  # batches are [islands, per-island batch, L+1]
 
 
-def _squeeze_island(tree):
-  return jax.tree.map(lambda x: x[0], tree)
+def _without_island_axis(specs):
+  """Per-island specs P(ISLAND, ...) as seen inside one island: P(...)."""
+  return jax.tree.map(lambda spec: P(*spec[1:]), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
-def _unsqueeze_island(tree):
-  return jax.tree.map(lambda x: x[None], tree)
+def _value_and_grad(loss_fn: LossFn, params, sequences, microbatches: int):
+  """Mean loss and gradient over `sequences` [B, L + 1], in `microbatches`.
+
+  Gradient accumulation: the batch is cut into `microbatches` equal parts
+  run one after another (lax.scan), so activations of only B / microbatches
+  sequences are alive at once; the result is the full batch's mean.
+  Microbatch i takes sequences i, i + n, i + 2n, ..., which keeps each
+  microbatch split over the island's 'data' devices like the whole batch.
+  """
+  sequences = jax.lax.with_sharding_constraint(sequences, P(DATA))
+  if microbatches == 1:
+    return jax.value_and_grad(loss_fn)(params, sequences)
+  batch, length = sequences.shape
+  parts = sequences.reshape(batch // microbatches, microbatches, length)
+  parts = jax.lax.with_sharding_constraint(parts.swapaxes(0, 1),
+                                           P(None, DATA))
+
+  def accumulate(totals, part):
+    loss, grads = jax.value_and_grad(loss_fn)(params, part)
+    return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), totals,
+                        (loss, grads)), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                       (jnp.zeros(()), params))
+  (loss, grads), _ = jax.lax.scan(accumulate, zeros, parts)
+  grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype),
+                       grads, params)
+  return loss / microbatches, grads
 
 
 def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
-                    mesh, sync_gradients_across_islands: bool = False):
+                    mesh, sync_gradients_across_islands: bool = False,
+                    microbatches: int = 1, fsdp: bool = False):
   """Builds the jitted inner step for all islands at once.
 
-  Each island computes gradients on its batch, averaged over its 'data'
-  replicas, and takes one inner optimizer step. With
-  `sync_gradients_across_islands` (ddp mode) the gradients are also averaged
-  across islands through the communication boundary, every step.
+  Each island computes the gradient of its batch (split over its 'data'
+  devices, in `microbatches` accumulated parts) and takes one inner
+  optimizer step. With `sync_gradients_across_islands` (ddp mode) the
+  gradients are also averaged across islands through the communication
+  boundary, every step. With `fsdp`, params, gradients and optimizer
+  states stay split over the island's 'data' devices.
 
   Returns:
     step(state, batch) -> (state, metrics) with metrics['loss'] of shape
     [islands]; `state` is donated.
   """
 
-  def island_update(params, opt_state, sequences):
-    params, opt_state = _squeeze_island(params), _squeeze_island(opt_state)
-    sequences = sequences[0]
-
-    def replica_mean_loss(p):
-      # Differentiating through the pmean makes the gradient the mean over
-      # the island's data replicas, and keeps it replicated across them.
-      return jax.lax.pmean(loss_fn(p, sequences), DATA)
-
-    loss, grads = jax.value_and_grad(replica_mean_loss)(params)
-    if sync_gradients_across_islands:
-      grads = communication.island_mean(grads, jnp.float32(1.0))
-    updates, opt_state = inner_opt.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    grad_norm = optax.tree.norm(grads)
-    return (_unsqueeze_island(params), _unsqueeze_island(opt_state),
-            loss[None], grad_norm[None])
-
   def step(state: TrainState, batch: jax.Array):
-    island_spec = lambda tree: jax.tree.map(lambda _: P(ISLAND), tree)
-    update = jax.shard_map(
-        island_update, mesh=mesh,
-        in_specs=(island_spec(state.island_params),
-                  island_spec(state.inner_opt_state), BATCH_SPEC),
-        out_specs=(island_spec(state.island_params),
-                   island_spec(state.inner_opt_state), P(ISLAND), P(ISLAND)),
-    )
+    specs = state_partition_specs(state, mesh.shape[DATA], fsdp)
+    param_specs = _without_island_axis(specs.island_params)
+    opt_specs = _without_island_axis(specs.inner_opt_state)
+
+    def island_update(params, opt_state, sequences):
+      loss, grads = _value_and_grad(loss_fn, params, sequences, microbatches)
+      if fsdp:  # reduce-scatter the gradient rather than all-reduce it
+        grads = placement.constrain(grads, param_specs)
+      if sync_gradients_across_islands:
+        grads = communication.island_mean(grads, jnp.float32(1.0))
+      updates, opt_state = inner_opt.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      if fsdp:
+        params = placement.constrain(params, param_specs)
+        opt_state = placement.constrain(opt_state, opt_specs)
+      return params, opt_state, loss, optax.tree.norm(grads)
+
+    update = placement.island_map(
+        island_update, mesh, in_specs=(PER_ISLAND,) * 3,
+        out_specs=(PER_ISLAND,) * 4,
+        # ddp's mean psums a weight that is the same on every island, which
+        # the varying-axes check rejects for folded (vmapped) islands.
+        check_vma=not sync_gradients_across_islands)
     params, opt_state, loss, grad_norm = update(
         state.island_params, state.inner_opt_state, batch)
     state = state.replace(step=state.step + 1, island_params=params,
@@ -169,15 +213,17 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
-                    compression=None, rounding_seed: int | None = None):
+                    compression=None, rounding_seed: int | None = None,
+                    fsdp: bool = False):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a codecs.DenseCodec, or None
-  for fp32) says how pseudo-gradients cross the island link; its codec state, if any, lives in the TrainState. When
-  the state carries residuals, error feedback adds each island's residual to
-  its pseudo-gradient and keeps what the codec did not send. With
-  `rounding_seed` the codec rounds stochastically, with noise derived from
-  (seed, round, island) so a resumed run draws the same noise.
+  for fp32) says how pseudo-gradients cross the island link; its codec
+  state, if any, lives in the TrainState. When the state carries residuals,
+  error feedback adds each island's residual to its pseudo-gradient and
+  keeps what the codec did not send. With `rounding_seed` the codec rounds
+  stochastically, with noise derived from (seed, round, island) so a
+  resumed run draws the same noise.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
@@ -186,53 +232,45 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
 
   compression = compression_lib.as_compression(compression)
 
-  def island_round_end(global_params, outer_state, island_params, residuals,
-                       codec_state, weight, round_index):
-    local = _squeeze_island(island_params)
-    pseudo_grad = jax.tree.map(jnp.subtract, global_params, local)
+  def island_sync(global_params, island_params, residuals, codec_state,
+                  weight, round_index):
+    """One island's pseudo-gradient through the codec: the mean, what the
+    codec left unsent (error feedback) and the next codec state."""
+    pseudo_grad = jax.tree.map(jnp.subtract, global_params, island_params)
     if residuals is not None:
-      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad,
-                                 _squeeze_island(residuals))
+      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
     key = None
     if rounding_seed is not None:
       key = jax.random.fold_in(
           jax.random.fold_in(jax.random.key(rounding_seed), round_index),
-          jax.lax.axis_index(ISLAND))
-    mean_pseudo_grad, sent, codec_state = compression_lib.island_mean(
-        pseudo_grad, weight[0], compression, codec_state, key)
+          communication.island_index())
+    mean, sent, codec_state = compression_lib.island_mean(
+        pseudo_grad, weight, compression, codec_state, key)
     if residuals is not None:
-      residuals = _unsqueeze_island(
-          jax.tree.map(jnp.subtract, pseudo_grad, sent))
-    updates, outer_state = outer_opt.update(
-        mean_pseudo_grad, outer_state, global_params)
-    new_global = optax.apply_updates(global_params, updates)
-    return (new_global, outer_state, _unsqueeze_island(new_global),
-            residuals, codec_state)
+      residuals = jax.tree.map(jnp.subtract, pseudo_grad, sent)
+    return mean, residuals, codec_state
 
   def outer(state: TrainState, weights: jax.Array):
-    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
-    island_spec = lambda tree: jax.tree.map(lambda _: P(ISLAND), tree)
-    round_end = jax.shard_map(
-        island_round_end, mesh=mesh,
-        in_specs=(replicated(state.global_params),
-                  replicated(state.outer_opt_state),
-                  island_spec(state.island_params),
-                  island_spec(state.residuals),
-                  replicated(state.codec_state), P(ISLAND), P()),
-        out_specs=(replicated(state.global_params),
-                   replicated(state.outer_opt_state),
-                   island_spec(state.island_params),
-                   island_spec(state.residuals),
-                   replicated(state.codec_state)),
+    sync = placement.island_map(
+        island_sync, mesh,
+        in_specs=(REPLICATED, PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND,
+                  REPLICATED),
+        out_specs=(REPLICATED, PER_ISLAND, REPLICATED),
         # A compressed mean ends in an all_gather, whose result is the same
         # on every island but is typed as varying; the replicated out_specs
         # are right by construction (tests check islands agree bit for bit).
-        check_vma=compression.is_identity,
-    )
-    new_global, outer_state, island_params, residuals, codec_state = (
-        round_end(state.global_params, state.outer_opt_state,
-                  state.island_params, state.residuals, state.codec_state,
-                  weights, state.round))
+        check_vma=False)
+    mean, residuals, codec_state = sync(
+        state.global_params, state.island_params, state.residuals,
+        state.codec_state, weights, state.round)
+    # The outer optimizer runs once per device on the replicated x, not once
+    # per folded island.
+    updates, outer_state = outer_opt.update(mean, state.outer_opt_state,
+                                            state.global_params)
+    new_global = optax.apply_updates(state.global_params, updates)
+    island_params = placement.constrain(
+        _stack(new_global, num_islands(state)),
+        state_shardings(state, mesh, fsdp).island_params)
     return state.replace(round=state.round + 1, global_params=new_global,
                          outer_opt_state=outer_state,
                          island_params=island_params, residuals=residuals,

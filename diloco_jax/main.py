@@ -6,6 +6,11 @@ Examples:
       --config.mode=ddp --config.diloco.islands=2
 """
 
+import time
+
+_LAUNCH_TIME = time.time()  # first thing: startup_s counts from here
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import sys
 
@@ -26,25 +31,33 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "Number of processes in a multi-host run.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in a multi-host run.")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", None,
+    "Host CPU devices to create (default: the data x stage devices of one "
+    "island; islands fold onto the devices there are). Ignored when XLA_FLAGS"
+    " sets --xla_force_host_platform_device_count.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _configure_devices(config) -> None:
   """Sets up devices; must run before JAX touches a backend.
 
-  On CPU the mesh needs islands x data x stage devices, which XLA provides
-  when asked before initialization. On GPU/TPU this only adds host CPU
-  devices beside the accelerators, which do no harm.
+  Islands fold onto whatever devices there are, so a CPU run needs only one
+  island's data x stage host devices (or --cpu_devices, to spread islands
+  over more). On GPU/TPU this only adds host CPU devices beside the
+  accelerators, which do no harm.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from diloco_jax import validation  # pylint: disable=g-import-not-at-top
   if "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
-    try:
-      needed = max(int(validation.devices_needed(config)), 1)
-    except (TypeError, ValueError):
-      needed = 1  # validation will name the bad field
-    jax.config.update("jax_num_cpu_devices", needed)
+    count = _CPU_DEVICES.value
+    if count is None:
+      try:
+        count = int(validation.devices_per_island(config))
+      except (TypeError, ValueError):
+        count = 1  # validation will name the bad field
+    jax.config.update("jax_num_cpu_devices", max(count, 1))
   if _COORDINATOR.value:
     jax.distributed.initialize(
         coordinator_address=_COORDINATOR.value,
@@ -74,7 +87,8 @@ def main(argv):
   from diloco_jax import train  # pylint: disable=g-import-not-at-top
   from diloco_jax import validation  # pylint: disable=g-import-not-at-top
   try:
-    train.train_and_evaluate(config, _WORKDIR.value)
+    train.train_and_evaluate(config, _WORKDIR.value,
+                             launch_time=_LAUNCH_TIME)
   except (validation.ConfigError, train.WorkdirError,
           checkpointing.IncompatibleCheckpointError) as e:
     logging.error("%s", e)

@@ -108,7 +108,8 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
   current_shapes = checkpointing.param_shapes_record(
       abstract_state.global_params)
   current_layout = checkpointing.state_layout_record(abstract_state)
-  target_shardings = diloco.state_shardings(abstract_state, mesh)
+  target_shardings = diloco.state_shardings(abstract_state, mesh,
+                                           config.mesh.fsdp)
 
   def restore(step, meta):
     where = f"checkpoint {checkpointer.directory}/{step}"
@@ -150,17 +151,40 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
   return checkpointer.latest_readable(restore)
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def _placement_line(mesh, islands: int, config) -> str:
+  slots = mesh.shape[mesh_lib.ISLAND]
+  folded = mesh_lib.folded_islands(mesh, islands)
+  line = (f"{islands} island(s) on {slots} device slot(s) of "
+          f"{config.mesh.data} x {config.mesh.stage} {mesh.devices.flat[0].platform}"
+          f" device(s)")
+  if folded > 1:
+    line += f", {folded} folded per slot"
+  return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
+
+
+def train_and_evaluate(config, workdir: str, devices=None,
+                       launch_time: float | None = None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
 
   Rerunning with the same workdir resumes from the newest checkpoint; a run
   that already finished returns its summary.
 
+  Args:
+    config: a config built from config_schema.base_config().
+    workdir: where outputs and checkpoints go.
+    devices: the devices to place islands on (default: all). Islands fold
+      onto them: d of the k islands' slots, d the largest divisor of k that
+      fits, each slot holding k / d islands.
+    launch_time: time.time() when the process started, for `startup_s`
+      (default: when this function was called).
+
   Returns:
     The summary dict also written to `workdir/summary.json`.
   """
   wall_start = time.perf_counter()
-  validation.validate_config(config, num_devices=jax.device_count())
+  launch_time = time.time() if launch_time is None else launch_time
+  devices = jax.devices() if devices is None else list(devices)
+  validation.validate_config(config, num_devices=len(devices))
 
   mode = config.mode
   islands = validation.effective_islands(config)
@@ -186,9 +210,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   # averaged update stands for the whole data distribution.
   island_shares = batches.island_token_weights() * islands
 
-  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage)
-  graphdef, params = model_lib.init_params(config.model, config.seed)
-  loss_fn = functools.partial(model_lib.next_token_loss, graphdef)
+  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
+                             devices)
+  fsdp = config.mesh.fsdp
+  loss_fn = functools.partial(model_lib.next_token_loss,
+                              model_lib.graphdef(config.model))
   inner_opt = optimizers.inner_optimizer(config.inner_optimizer, total_steps)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
   compression = compression_lib.from_config(config.diloco)
@@ -196,8 +222,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   init = lambda p: diloco.init_state(
       p, inner_opt, outer_opt, islands, error_feedback,
       compression if mode == "diloco" else None, seed=config.seed)
-  abstract_state = jax.eval_shape(init, params)
-  state_shardings = diloco.state_shardings(abstract_state, mesh)
+  abstract_state = jax.eval_shape(init, model_lib.param_shapes(config.model))
+  state_shardings = diloco.state_shardings(abstract_state, mesh, fsdp)
 
   checkpointer = checkpointing.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
@@ -206,7 +232,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
                       islands)
   if restored is None:
     start_step, meta = 0, {}
-    state = jax.jit(init, out_shardings=state_shardings)(params)
+    # Params are created on their devices, already sharded.
+    state = jax.jit(lambda: init(model_lib.new_params(config.model,
+                                                      config.seed)),
+                    out_shardings=state_shardings)()
   else:
     start_step, meta, state = restored
     if start_step > total_steps:
@@ -214,7 +243,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
           f"config.total_steps={total_steps} is before the checkpoint at step "
           f"{start_step} in {checkpointer.directory}")
     logging.info("resuming from the checkpoint at step %d", start_step)
-  del params
   summary_path = os.path.join(workdir, "summary.json")
   if start_step == total_steps and os.path.exists(summary_path):
     logging.info("the run in %s already finished", workdir)
@@ -241,14 +269,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
   next_batch = _place(batches.next_batch(), batch_sharding)
   inner_step = diloco.make_inner_step(
       loss_fn, inner_opt, mesh,
-      sync_gradients_across_islands=(mode == "ddp")).lower(
+      sync_gradients_across_islands=(mode == "ddp"),
+      microbatches=config.data.microbatches, fsdp=fsdp).lower(
           state, next_batch).compile()
   outer_step = None
   if mode == "diloco":
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                       else None)).lower(
+                       else None), fsdp=fsdp).lower(
         state, _place(np.zeros(islands, np.float32), weights_sharding)
     ).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
@@ -290,6 +319,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                mode, islands, inner_steps, f"{num_params:,}",
                islands * tokens_per_island_step,
                sync_bytes(current_rank_indices(state)) / 1e6)
+  logging.info("placement: %s; attention: %s", _placement_line(
+      mesh, islands, config), model_lib.attention_implementation(config.model))
 
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
@@ -334,8 +365,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
   train_start = time.perf_counter()
   pending = None  # the previous step's record, finished one step late
   eval_loss = float("nan")
+  startup_s = None
   for step in range(start_step + 1, total_steps + 1):
     state, step_metrics = inner_step(state, next_batch)
+    if startup_s is None:  # launch to the first inner step's result
+      jax.block_until_ready(step_metrics)
+      startup_s = time.time() - launch_time
+      logging.info("first inner step done %.1fs after launch (compile %.1fs)",
+                   startup_s, compile_s)
     data_state = batches.state()  # the position after the batch just used
     island_round_steps += 1
     tokens_seen += islands * tokens_per_island_step
@@ -412,6 +449,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       "compression_vs_fp32": _ratio(fp32_comm_bytes, comm_bytes),
       "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
       "compile_s": compile_s,
+      "startup_s": startup_s,
       "train_s": train_s,
       "wall_s": time.perf_counter() - wall_start,
       "resumed_from_step": start_step,
@@ -420,6 +458,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
   trained_tokens = tokens_seen - meta.get("tokens_seen", 0)
   summary["tokens_per_s"] = trained_tokens / max(train_s, 1e-9)
   summary["model_flops_per_s"] = flops_per_token * summary["tokens_per_s"]
+  # Model FLOP utilization against the devices' own peak for the compute
+  # dtype (None where the device is not in flops.py's table, e.g. CPUs).
+  peak = flops.peak_flops_per_s(mesh.devices.flat[0].device_kind,
+                                config.model.dtype)
+  summary["peak_flops_per_s"] = peak and peak * mesh.devices.size
+  summary["mfu"] = (summary["model_flops_per_s"] / summary["peak_flops_per_s"]
+                    if peak else None)
   summary.update({"final_" + k: v
                   for k, v in _eval_record(eval_loss, byte_level).items()})
   if evaluate_island_mean is not None and island_mean_loss is not None:

@@ -8,6 +8,7 @@ untouched.
 from diloco_jax import codecs
 from diloco_jax import compression
 from diloco_jax import config_schema
+from diloco_jax import model as model_lib
 from diloco_jax.data import corpus as corpus_lib
 
 
@@ -36,9 +37,9 @@ def effective_islands(config) -> int:
   return 1 if config.mode == "single" else config.diloco.islands
 
 
-def devices_needed(config) -> int:
-  """islands x data x stage: the mesh size this config asks for."""
-  return effective_islands(config) * config.mesh.data * config.mesh.stage
+def devices_per_island(config) -> int:
+  """data x stage: the devices one island needs (islands fold onto them)."""
+  return config.mesh.data * config.mesh.stage
 
 
 def validate_config(config, num_devices: int) -> None:
@@ -54,19 +55,21 @@ def validate_config(config, num_devices: int) -> None:
   )
   for name in ("total_steps", "diloco.islands", "diloco.inner_steps",
                "mesh.data", "mesh.stage", "data.batch_size",
+               "data.microbatches",
                "data.sequence_length", "eval.batch_size", "eval.num_batches",
                "model.num_layers", "model.d_model", "model.num_heads",
                "model.head_dim", "model.mlp_dim", "model.vocab_size",
                "model.max_sequence_length"):
     _positive_int(config, name)
 
-  needed = devices_needed(config)
+  needed = devices_per_island(config)
   _require(
       needed <= num_devices,
-      f"config.diloco.islands x config.mesh.data x config.mesh.stage = "
-      f"{effective_islands(config)} x {config.mesh.data} x {config.mesh.stage}"
-      f" = {needed} devices, but only {num_devices} are available",
+      f"config.mesh.data x config.mesh.stage = {config.mesh.data} x "
+      f"{config.mesh.stage} = {needed} devices per island, but only "
+      f"{num_devices} are available",
   )
+
   _require(
       config.mesh.stage == 1,
       f"config.mesh.stage={config.mesh.stage}: pipeline stages are not "
@@ -76,6 +79,13 @@ def validate_config(config, num_devices: int) -> None:
       config.data.batch_size % config.mesh.data == 0,
       f"config.data.batch_size={config.data.batch_size} (per island) is not "
       f"divisible by config.mesh.data={config.mesh.data}",
+  )
+  microbatch = config.data.microbatches * config.mesh.data
+  _require(
+      config.data.batch_size % microbatch == 0,
+      f"config.data.batch_size={config.data.batch_size} (per island) is not "
+      f"divisible by config.data.microbatches x config.mesh.data = "
+      f"{config.data.microbatches} x {config.mesh.data}",
   )
   eval_shards = effective_islands(config) * config.mesh.data
   _require(
@@ -113,6 +123,7 @@ def validate_config(config, num_devices: int) -> None:
       f"config.model.dtype={config.model.dtype!r} is not 'float32' or "
       "'bfloat16'",
   )
+  _validate_attention(config.model)
   _require(
       config.data.sequence_length <= config.model.max_sequence_length,
       f"config.data.sequence_length={config.data.sequence_length} exceeds "
@@ -129,6 +140,26 @@ def validate_config(config, num_devices: int) -> None:
       f" corpus vocabulary ({corpus_vocab} for corpus "
       f"{config.data.corpus!r})",
   )
+
+
+def _validate_attention(model_config) -> None:
+  name = model_config.attention
+  _require(
+      name in model_lib.ATTENTION_IMPLEMENTATIONS,
+      f"config.model.attention={name!r} is not one of "
+      f"{model_lib.ATTENTION_IMPLEMENTATIONS}",
+  )
+  if name != "cudnn":
+    return
+  _require(model_lib.on_nvidia_gpu(),
+           "config.model.attention='cudnn' needs an NVIDIA GPU; use 'auto' "
+           "or 'xla'")
+  _require(model_config.dtype == "bfloat16",
+           "config.model.attention='cudnn' needs config.model.dtype="
+           f"'bfloat16', not {model_config.dtype!r}")
+  _require(model_config.head_dim % 8 == 0 and model_config.head_dim <= 128,
+           "config.model.attention='cudnn' needs config.model.head_dim a "
+           f"multiple of 8 up to 128, not {model_config.head_dim}")
 
 
 def _validate_compression(config) -> None:

@@ -12,6 +12,8 @@ from diloco_jax import codecs
 from diloco_jax import communication
 from diloco_jax import diloco
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import placement
+from diloco_jax.placement import PER_ISLAND
 from tests import helpers
 
 LOSSY = ("bf16", "fp16", "int8", "int4")
@@ -57,13 +59,11 @@ def _compressed_mean(islands, codec, tree, weights):
   mesh = mesh_lib.build_mesh(islands)
 
   def per_island(t, w):
-    mean = communication.island_mean(jax.tree.map(lambda x: x[0], t), w[0],
-                                     codec=codec)
-    return jax.tree.map(lambda x: x[None], mean)
+    return communication.island_mean(t, w, codec=codec)
 
-  return jax.jit(jax.shard_map(
-      per_island, mesh=mesh, in_specs=(P("island"), P("island")),
-      out_specs=P("island")))(tree, weights)
+  return jax.jit(placement.island_map(
+      per_island, mesh, in_specs=(PER_ISLAND, PER_ISLAND),
+      out_specs=PER_ISLAND, check_vma=False))(tree, weights)
 
 
 def _reference_mean(islands, codec, tree, weights):
@@ -186,14 +186,14 @@ def test_error_feedback_conserves_mass_over_rounds():
   codec = codecs.make_codec("int4", block_size=64)
 
   def round_trip(g, e):
-    v = g[0] + e[0]
+    v = g + e
     _, sent = communication.island_mean(v, jnp.float32(1.0), codec=codec,
                                         return_sent=True)
-    return sent[None], (v - sent)[None]
+    return sent, v - sent
 
-  step = jax.jit(jax.shard_map(round_trip, mesh=mesh,
-                               in_specs=(P("island"), P("island")),
-                               out_specs=(P("island"), P("island"))))
+  step = jax.jit(placement.island_map(round_trip, mesh,
+                                      in_specs=(PER_ISLAND, PER_ISLAND),
+                                      out_specs=(PER_ISLAND, PER_ISLAND)))
   rng = np.random.default_rng(0)
   inputs = rng.standard_normal((rounds, islands, 1000)).astype(np.float32)
   residual = np.zeros((islands, 1000), np.float32)

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from diloco_jax import communication
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import placement
+from diloco_jax.placement import PER_ISLAND
 
 
 def test_island_mean_is_the_weighted_mean_on_every_island():
@@ -17,14 +18,9 @@ def test_island_mean_is_the_weighted_mean_on_every_island():
           "b": rng.standard_normal((islands, 7)).astype(np.float32)}
   weights = np.array([1.0, 2.0, 0.0, 5.0], np.float32)  # island 2 inactive
 
-  def per_island(t, w):
-    mean = communication.island_mean(jax.tree.map(lambda x: x[0], t), w[0])
-    return jax.tree.map(lambda x: x[None], mean)
-
-  out = jax.jit(jax.shard_map(
-      per_island, mesh=mesh,
-      in_specs=(P(mesh_lib.ISLAND), P(mesh_lib.ISLAND)),
-      out_specs=P(mesh_lib.ISLAND)))(tree, weights)
+  out = jax.jit(placement.island_map(
+      communication.island_mean, mesh, in_specs=(PER_ISLAND, PER_ISLAND),
+      out_specs=PER_ISLAND))(tree, weights)
   for key, value in tree.items():
     expected = np.tensordot(weights, value, axes=1) / weights.sum()
     for i in range(islands):
@@ -34,9 +30,9 @@ def test_island_mean_is_the_weighted_mean_on_every_island():
 def test_island_mean_accumulates_low_precision_inputs_in_float32():
   mesh = mesh_lib.build_mesh(2)
   values = jnp.ones((2, 8), jnp.bfloat16)
-  mean = jax.jit(jax.shard_map(
-      lambda x: communication.island_mean(x[0], jnp.float32(1.0))[None],
-      mesh=mesh, in_specs=P(mesh_lib.ISLAND), out_specs=P(mesh_lib.ISLAND)))
+  mean = jax.jit(placement.island_map(
+      lambda x: communication.island_mean(x, jnp.float32(1.0)),
+      mesh, in_specs=(PER_ISLAND,), out_specs=PER_ISLAND))
   out = mean(values)
   assert out.dtype == jnp.bfloat16  # the caller gets its own dtype back
   hlo = mean.lower(values).compile().as_text()

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from diloco_jax import config_schema
 from diloco_jax import flops
 from diloco_jax import model
 
@@ -28,7 +29,8 @@ _loss = jax.jit(model.next_token_loss, static_argnums=0)
 
 
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
-  cfg = ml_collections.ConfigDict(dict(
+  cfg = config_schema.base_config().model
+  cfg.update(dict(
       vocab_size=VOCAB, num_layers=LAYERS, d_model=D_MODEL, num_heads=HEADS,
       head_dim=HEAD_DIM, mlp_dim=MLP, max_sequence_length=SEQ,
       tie_embeddings=True, dtype="float32", param_dtype="float32",

@@ -7,10 +7,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import codecs
+from diloco_jax import communication
 from diloco_jax import compression as compression_lib
 from diloco_jax import lowrank
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import placement
 from diloco_jax import sparse
+from diloco_jax.placement import PER_ISLAND, REPLICATED
 from tests import helpers
 
 FP32 = codecs.DenseCodec("fp32")
@@ -29,17 +32,12 @@ def _run_mean(compression, tree, weights, codec_state=None, seed=None):
 
   def per_island(t, w, state):
     key = None if seed is None else jax.random.fold_in(
-        jax.random.key(seed), jax.lax.axis_index("island"))
-    mean, sent, state = compression_lib.island_mean(
-        jax.tree.map(lambda x: x[0], t), w[0], compression, state, key)
-    add_axis = lambda tree: jax.tree.map(lambda x: x[None], tree)
-    return add_axis(mean), add_axis(sent), state
+        jax.random.key(seed), communication.island_index())
+    return compression_lib.island_mean(t, w, compression, state, key)
 
-  island = lambda tree: jax.tree.map(lambda _: P("island"), tree)
-  return jax.jit(jax.shard_map(
-      per_island, mesh=mesh,
-      in_specs=(island(tree), P("island"), P()),
-      out_specs=(island(tree), island(tree), P()),
+  return jax.jit(placement.island_map(
+      per_island, mesh, in_specs=(PER_ISLAND, PER_ISLAND, REPLICATED),
+      out_specs=(PER_ISLAND, PER_ISLAND, REPLICATED),
       check_vma=False))(tree, jnp.asarray(weights, jnp.float32), codec_state)
 
 

@@ -114,7 +114,11 @@ def test_main_refuses_a_finished_workdir(tmp_path):
 BAD_CONFIGS = [
     ({"data.batch_size": 3, "mesh.data": 2}, "config.data.batch_size=3"),
     ({"diloco.inner_steps": 0}, "config.diloco.inner_steps=0"),
-    ({"diloco.islands": 4, "mesh.data": 4}, "16 devices"),
+    ({"diloco.islands": 4, "mesh.data": 16}, "16 devices per island"),
+    ({"data.microbatches": 3}, "config.data.microbatches x config.mesh.data"),
+    ({"data.microbatches": 0}, "config.data.microbatches=0"),
+    ({"model.attention": "flash"}, "config.model.attention='flash'"),
+    ({"model.attention": "cudnn"}, "config.model.attention='cudnn' needs"),
     ({"diloco.outer_optimizer.name": "lamb"},
      "config.diloco.outer_optimizer.name='lamb'"),
     ({"inner_optimizer.name": "sgd"}, "config.inner_optimizer.name='sgd'"),

@@ -1,0 +1,116 @@
+"""Where arrays live: per-island functions on the mesh, and sharding rules.
+
+`island_map` runs a function once per logical island, whatever the
+placement: a shard_map that is manual over the 'island' device axis only,
+and inside it a `vmap` (axis FOLDED) over the islands stacked on each
+device slot. Inside an island, arrays keep the shardings declared for them
+(data parallel over 'data', optionally FSDP) and XLA inserts the collectives
+among the island's own devices.
+
+`fsdp_spec` is the one sharding rule inside an island: with FSDP, each
+array large enough is split over 'data' along its largest dimension that
+divides evenly (as big_vision's and MaxText's fsdp rules do); without it,
+arrays are replicated over the island's devices.
+"""
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax.mesh import DATA, FOLDED, ISLAND
+
+# Per-island arrays are stacked on a leading axis split over 'island'.
+PER_ISLAND = P(ISLAND)
+REPLICATED = P()
+# Leaves smaller than this stay replicated under FSDP: gathering them costs
+# a collective's latency for a few kilobytes of memory.
+MIN_FSDP_ELEMENTS = 4096
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def island_map(fn: Callable, mesh, in_specs, out_specs,
+               check_vma: bool = True) -> Callable:
+  """Maps `fn` over every logical island on `mesh`.
+
+  Args:
+    fn: takes and returns one island's values (no island axis). Collectives
+      over communication's island axes reach every logical island.
+    mesh: the (island, data, stage) mesh.
+    in_specs: for each argument, PER_ISLAND (stacked [islands, ...]) or
+      REPLICATED (the same for every island); a pytree prefix of the
+      arguments, as for shard_map.
+    out_specs: the same for the outputs. A REPLICATED output must be the
+      same on every island (e.g. the result of a collective); island 0's is
+      returned.
+    check_vma: as for shard_map; outputs of compressed collectives are the
+      same on every island but typed as varying, so those callers pass
+      False.
+
+  Returns:
+    A function of the stacked/replicated arguments.
+  """
+  to_axis = lambda spec: 0 if spec == PER_ISLAND else None
+
+  def per_device(*args):
+    in_axes = jax.tree.map(to_axis, tuple(in_specs), is_leaf=_is_spec)
+    outputs = jax.vmap(fn, in_axes=in_axes, axis_name=FOLDED)(*args)
+    # Every output comes out of vmap stacked; a replicated one is the same
+    # in every row, so the first row is it (XLA folds the slice away when
+    # the row was a broadcast).
+    return jax.tree.map(
+        lambda spec, out: out if spec == PER_ISLAND else jax.tree.map(
+            lambda x: x[0], out),
+        out_specs, outputs, is_leaf=_is_spec)
+
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
+                       out_specs=out_specs, axis_names={ISLAND},
+                       check_vma=check_vma)
+
+
+def fsdp_spec(shape, data_size: int, fsdp: bool) -> P:
+  """The spec of an island-local array of `shape` (no island axis).
+
+  With `fsdp`, the largest dimension divisible by `data_size` is split over
+  'data' (ties: the first); small arrays and arrays without such a
+  dimension stay replicated, as does everything without `fsdp`.
+  """
+  size = 1
+  for dim in shape:
+    size *= dim
+  if not fsdp or data_size <= 1 or size < MIN_FSDP_ELEMENTS:
+    return P()
+  candidates = [i for i, dim in enumerate(shape) if dim % data_size == 0]
+  if not candidates:
+    return P()
+  axis = max(candidates, key=lambda i: (shape[i], -i))
+  return P(*([None] * axis + [DATA]))
+
+
+def tree_specs(tree, data_size: int, fsdp: bool,
+               per_island: bool) -> Any:
+  """Specs for a pytree of arrays (or shapes), following `fsdp_spec`.
+
+  With `per_island`, leaves carry a leading island axis that is split over
+  'island'; the rule applies to the rest of the shape.
+  """
+
+  def spec(leaf):
+    shape = tuple(leaf.shape)
+    if per_island:
+      return P(ISLAND, *fsdp_spec(shape[1:], data_size, fsdp))
+    return fsdp_spec(shape, data_size, fsdp)
+
+  return jax.tree.map(spec, tree)
+
+
+def constrain(tree, shardings):
+  """`tree` with each leaf constrained to its sharding (inside jit).
+
+  `shardings`: NamedShardings, or PartitionSpecs inside an island_map (whose
+  mesh they then refer to).
+  """
+  return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
