@@ -80,11 +80,12 @@ class InnerSteps:
     inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
                                            config.total_steps)
     outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-    init = lambda: diloco.init_state(
-        model_lib.new_params(config.model, config.seed), inner_opt, outer_opt,
+    init = lambda seed: diloco.init_state(
+        model_lib.new_params(config.model, seed), inner_opt, outer_opt,
         islands)
-    shardings = diloco.state_shardings(jax.eval_shape(init), mesh)
-    self.state = jax.jit(init, out_shardings=shardings)()
+    shardings = diloco.state_shardings(jax.eval_shape(init, 0), mesh)
+    with model_lib.fast_init_compile():
+      self.state = jax.jit(init, out_shardings=shardings)(config.seed)
     tokens = np.random.default_rng(0).integers(
         0, config.model.vocab_size,
         (islands, batch_size, config.data.sequence_length + 1), np.int32)
@@ -126,7 +127,9 @@ def _plain_steps(config):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  params = jax.jit(lambda: model_lib.new_params(config.model, config.seed))()
+  with model_lib.fast_init_compile():
+    params = jax.jit(functools.partial(model_lib.new_params, config.model))(
+        config.seed)
   holder = {"params": params, "opt": jax.jit(opt.init)(params)}
   batch = jax.device_put(np.random.default_rng(0).integers(
       0, config.model.vocab_size,

@@ -154,8 +154,10 @@ def _value_and_grad(loss_fn: LossFn, params, sequences, microbatches: int):
     return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), totals,
                         (loss, grads)), None
 
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                       (jnp.zeros(()), params))
+  # zeros_like keeps each param's varying-over-islands type, which the
+  # scan's carry must match.
+  zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32),
+                       (jnp.zeros_like(sequences, jnp.float32).sum(), params))
   (loss, grads), _ = jax.lax.scan(accumulate, zeros, parts)
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype),
                        grads, params)

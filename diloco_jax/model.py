@@ -10,6 +10,8 @@ pytree: `init_params` / `param_shapes` to build it, `apply` and
 `next_token_loss` to run it (jit, vmap over islands, shard_map and grad all
 work on these), and `count_params` for reporting.
 """
+import contextlib
+import functools
 import math
 
 import jax
@@ -222,14 +224,36 @@ def graphdef(model_config: ml_collections.ConfigDict) -> nnx.GraphDef:
       lambda: TransformerLM(model_config, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
 
-def new_params(model_config: ml_collections.ConfigDict, seed: int) -> nnx.State:
+@contextlib.contextmanager
+def fast_init_compile():
+  """Compiles random initialization quickly on GPUs; wrap the jitted init.
+
+  XLA unrolls every threefry call site into its own large fusion, and an
+  init program holds one per weight: compiling the 150M model's took 57 s
+  on an H100 (90 s with a constant seed). JAX's threefry GPU kernel draws
+  the same bits (the implementations are bit-equivalent) from one
+  precompiled kernel. Elsewhere this changes nothing.
+  """
+  name = "jax_threefry_gpu_kernel_lowering"
+  previous = getattr(jax.config, name)
+  jax.config.update(name, True)
+  try:
+    yield
+  finally:
+    jax.config.update(name, previous)
+
+
+def new_params(model_config: ml_collections.ConfigDict,
+               seed: int | jax.Array) -> nnx.State:
   """Freshly initialized params from `seed`; call under `jax.jit`.
 
   Under jit with out_shardings, every parameter is created where it lives
   (already split over its devices): no host or single-device copy of the
-  whole model.
+  whole model. Pass the seed as a traced argument: with a constant seed the
+  whole program is a constant, which XLA may try to fold at compile time.
   """
-  return nnx.split(TransformerLM(model_config, rngs=nnx.Rngs(seed)),
+  return nnx.split(TransformerLM(model_config,
+                                 rngs=nnx.Rngs(jax.random.key(seed))),
                    nnx.Param)[1]
 
 
@@ -242,7 +266,8 @@ def init_params(model_config: ml_collections.ConfigDict,
   """
   # Initializing inside one jitted program compiles once; eager init would
   # compile a random kernel per weight shape (seconds on CPU).
-  params = jax.jit(lambda: new_params(model_config, seed))()
+  with fast_init_compile():
+    params = jax.jit(functools.partial(new_params, model_config))(seed)
   return graphdef(model_config), params
 
 

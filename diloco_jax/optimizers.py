@@ -6,6 +6,7 @@ pseudo-gradient once per round (Nesterov SGD by default, as in DiLoCo).
 """
 
 import jax
+import numpy as np
 import optax
 
 
@@ -26,6 +27,20 @@ def inner_learning_rate(inner_config, total_steps: int) -> optax.Schedule:
       decay_steps=max(total_steps, warmup + 1),
       end_value=peak * inner_config.final_learning_rate_fraction,
   )
+
+
+def learning_rate_table(inner_config, total_steps: int) -> np.ndarray:
+  """The inner learning rate before each of steps 1..total_steps (host).
+
+  Evaluated on the CPU device, so a GPU/TPU run compiles nothing for it.
+  """
+  schedule = jax.vmap(inner_learning_rate(inner_config, total_steps))
+  try:
+    device = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it)
+    device = jax.local_devices()[0]
+  with jax.default_device(device):
+    return np.asarray(schedule(np.arange(total_steps)))
 
 
 def inner_optimizer(inner_config, total_steps: int) -> optax.GradientTransformation:

@@ -18,7 +18,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -32,6 +31,7 @@ from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optimizers
+from diloco_jax import programs as programs_lib
 from diloco_jax import validation
 from diloco_jax.data import sources
 
@@ -201,6 +201,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
             f"--workdir={workdir} holds {name} but no checkpoints to resume "
             "from; choose a new workdir or delete that one")
 
+  phase_start = time.perf_counter()
   batches = sources.make_batch_source(config.data, islands, batch_size,
                                       seed=config.data.seed)
   eval_set = sources.make_eval_batches(config.data, config.eval.batch_size,
@@ -209,6 +210,8 @@ def train_and_evaluate(config, workdir: str, devices=None,
   # times its cluster's share of the corpus (uniform for iid islands), so the
   # averaged update stands for the whole data distribution.
   island_shares = batches.island_token_weights() * islands
+  logging.info("data ready in %.1fs", time.perf_counter() - phase_start)
+  phase_start = time.perf_counter()
 
   mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
                              devices)
@@ -230,13 +233,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
       async_save=config.checkpoint.async_save)
   restored = _restore(checkpointer, config, abstract_state, mesh, inner_opt,
                       islands)
-  if restored is None:
-    start_step, meta = 0, {}
-    # Params are created on their devices, already sharded.
-    state = jax.jit(lambda: init(model_lib.new_params(config.model,
-                                                      config.seed)),
-                    out_shardings=state_shardings)()
-  else:
+  if restored is not None:
     start_step, meta, state = restored
     if start_step > total_steps:
       raise validation.ConfigError(
@@ -244,11 +241,31 @@ def train_and_evaluate(config, workdir: str, devices=None,
           f"{start_step} in {checkpointer.directory}")
     logging.info("resuming from the checkpoint at step %d", start_step)
   summary_path = os.path.join(workdir, "summary.json")
-  if start_step == total_steps and os.path.exists(summary_path):
+  if restored is not None and start_step == total_steps and os.path.exists(
+      summary_path):
     logging.info("the run in %s already finished", workdir)
     checkpointer.close()
     with open(summary_path) as f:
       return json.load(f)
+
+  # The steps compile from shapes in the background while the state is
+  # initialized and the rest is set up.
+  batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
+      mesh, islands, batch_size, seq_len, config.eval.batch_size)
+  compiling = programs_lib.compile_in_background(
+      config, mesh, loss_fn, inner_opt, outer_opt, compression,
+      _with_shardings(abstract_state, state_shardings), batch_shape,
+      eval_shape, weights_shape)
+  if restored is None:
+    start_step, meta = 0, {}
+    # Params are created on their devices, already sharded.
+    with model_lib.fast_init_compile():
+      state = jax.jit(lambda seed: init(model_lib.new_params(config.model,
+                                                            seed)),
+                      out_shardings=state_shardings)(config.seed)
+  jax.block_until_ready(state)
+  logging.info("state %s in %.1fs", "restored" if start_step else "initialized",
+               time.perf_counter() - phase_start)
   dropped = metrics_lib.truncate_metrics(workdir, start_step)
   if dropped:
     logging.info("dropped %d metrics records logged after step %d; they are "
@@ -258,36 +275,24 @@ def train_and_evaluate(config, workdir: str, devices=None,
       batches.restore(meta["data"])
     else:  # per-island read positions do not map onto another island count
       logging.warning("data streams restart for the new island count")
+  eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
+  next_batch = _place(batches.next_batch(), batch_shape.sharding)
+  learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
+                                                  total_steps)
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  writer = metrics_lib.MetricsWriter(workdir, total_steps,
+                                     config.log_every_seconds)
 
-  batch_sharding = NamedSharding(mesh, diloco.BATCH_SPEC)
-  eval_sharding = NamedSharding(mesh, P((mesh_lib.ISLAND, mesh_lib.DATA)))
-  eval_arrays = [_place(b, eval_sharding) for b in eval_set]
-  weights_sharding = NamedSharding(mesh, P(mesh_lib.ISLAND))
-
-  # Compile everything up front so timings exclude compilation.
-  compile_start = time.perf_counter()
-  next_batch = _place(batches.next_batch(), batch_sharding)
-  inner_step = diloco.make_inner_step(
-      loss_fn, inner_opt, mesh,
-      sync_gradients_across_islands=(mode == "ddp"),
-      microbatches=config.data.microbatches, fsdp=fsdp).lower(
-          state, next_batch).compile()
-  outer_step = None
-  if mode == "diloco":
-    outer_step = diloco.make_outer_step(
-        outer_opt, mesh, compression,
-        rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                       else None), fsdp=fsdp).lower(
-        state, _place(np.zeros(islands, np.float32), weights_sharding)
-    ).compile()
-  evaluate = diloco.make_evaluate(loss_fn, mode).lower(
-      state, eval_arrays[0]).compile()
-  evaluate_island_mean = None
-  if mode == "diloco":
-    evaluate_island_mean = diloco.make_evaluate(
-        loss_fn, mode, island_mean=True).lower(state, eval_arrays[0]).compile()
-  compile_s = time.perf_counter() - compile_start
-  logging.info("compiled in %.1fs", compile_s)
+  programs = compiling.result()
+  inner_step, outer_step = programs.inner_step, programs.outer_step
+  evaluate = programs.evaluate
+  evaluate_island_mean = programs.evaluate_island_mean
+  compile_s = programs.compile_s
+  logging.info("compiled in %.1fs, %.1fs after launch", compile_s,
+               time.time() - launch_time)
 
   param_shapes = abstract_state.global_params
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
@@ -311,9 +316,6 @@ def train_and_evaluate(config, workdir: str, devices=None,
 
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
   tokens_per_island_step = batch_size * seq_len
-  learning_rates = np.asarray(jax.vmap(
-      optimizers.inner_learning_rate(config.inner_optimizer, total_steps))(
-          jnp.arange(total_steps)))
   byte_level = config.data.tokenizer == "byte"
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                mode, islands, inner_steps, f"{num_params:,}",
@@ -321,13 +323,6 @@ def train_and_evaluate(config, workdir: str, devices=None,
                sync_bytes(current_rank_indices(state)) / 1e6)
   logging.info("placement: %s; attention: %s", _placement_line(
       mesh, islands, config), model_lib.attention_implementation(config.model))
-
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-  writer = metrics_lib.MetricsWriter(workdir, total_steps,
-                                     config.log_every_seconds)
 
   # Counters carried across restarts (a restart may change the island count).
   rounds_done = meta.get("rounds_done", 0)
@@ -381,7 +376,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
       comm_bytes += ddp_step_bytes
       fp32_comm_bytes += ddp_step_bytes
     if step < total_steps:  # prepare the next batch while this step runs
-      next_batch = _place(batches.next_batch(), batch_sharding)
+      next_batch = _place(batches.next_batch(), batch_shape.sharding)
     if pending is not None:
       writer.write(finish_record(*pending))
     round_ended = _round_ends(step, inner_steps, total_steps)
@@ -396,7 +391,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
         round_bytes = sync_bytes(rank_indices)
         rank = _mean_rank(compression, rank_indices)
         state = outer_step(state, _place(weights.astype(np.float32),
-                                         weights_sharding))
+                                         weights_shape.sharding))
         comm_bytes += round_bytes
         fp32_comm_bytes += ddp_step_bytes
       rounds_done += 1

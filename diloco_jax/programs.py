@@ -1,0 +1,77 @@
+"""The compiled programs of a run, built from shapes alone.
+
+Compiling needs only the shapes and shardings of the state and batches, not
+their values, so a run starts compiling in a background thread at once and
+initializes (or restores) its state meanwhile: start-up costs about
+max(compile, init) instead of their sum. XLA compiles outside the GIL.
+"""
+
+import concurrent.futures
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
+
+
+class Programs(NamedTuple):
+  """A run's compiled steps (None where the mode has no such step)."""
+  inner_step: Any
+  outer_step: Any
+  evaluate: Any
+  evaluate_island_mean: Any
+  compile_s: float
+
+
+def batch_shapes(mesh, islands: int, batch_size: int, seq_len: int,
+                 eval_batch_size: int):
+  """Abstract (training batch, eval batch, island weights) on `mesh`."""
+  shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(
+      dims, dtype, sharding=NamedSharding(mesh, spec))
+  return (shape((islands, batch_size, seq_len + 1), np.int32,
+                diloco.BATCH_SPEC),
+          shape((eval_batch_size, seq_len + 1), np.int32,
+                P((mesh_lib.ISLAND, mesh_lib.DATA))),
+          shape((islands,), np.float32, P(mesh_lib.ISLAND)))
+
+
+def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
+                     compression, state, batch, eval_batch,
+                     weights) -> Programs:
+  """Compiles the inner step, outer step (diloco) and evaluations.
+
+  `state`, `batch`, `eval_batch` and `weights` may be abstract
+  (jax.ShapeDtypeStruct with shardings).
+  """
+  start = time.perf_counter()
+  mode, fsdp = config.mode, config.mesh.fsdp
+  inner_step = diloco.make_inner_step(
+      loss_fn, inner_opt, mesh,
+      sync_gradients_across_islands=(mode == "ddp"),
+      microbatches=config.data.microbatches, fsdp=fsdp).lower(
+          state, batch).compile()
+  outer_step = evaluate_island_mean = None
+  if mode == "diloco":
+    outer_step = diloco.make_outer_step(
+        outer_opt, mesh, compression,
+        rounding_seed=(config.seed if config.diloco.stochastic_rounding
+                       else None), fsdp=fsdp).lower(state, weights).compile()
+    evaluate_island_mean = diloco.make_evaluate(
+        loss_fn, mode, island_mean=True).lower(state, eval_batch).compile()
+  evaluate = diloco.make_evaluate(loss_fn, mode).lower(
+      state, eval_batch).compile()
+  return Programs(inner_step, outer_step, evaluate, evaluate_island_mean,
+                  time.perf_counter() - start)
+
+
+def compile_in_background(*args) -> concurrent.futures.Future:
+  """Starts compile_programs(*args) in a thread; .result() gives Programs."""
+  pool = concurrent.futures.ThreadPoolExecutor(
+      max_workers=1, thread_name_prefix="compile")
+  future = pool.submit(compile_programs, *args)
+  pool.shutdown(wait=False)  # the thread ends with its one task
+  return future
