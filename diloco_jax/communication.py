@@ -10,8 +10,8 @@ communication devices plug in here and nowhere else.
 
 Uncompressed (fp32) sums are a psum, counted as a ring all-reduce: each of
 k peers sends 2(k-1) chunks of ceil(n/k) elements per array. A compressed
-dense sum runs the two phases of that ring with encoded chunks (DESIGN.md
-§1.3): an all_to_all of encoded chunks (reduce-scatter), decode and sum in
+dense sum runs the two phases of that ring with encoded chunks: an
+all_to_all of encoded chunks (reduce-scatter), decode and sum in
 float32, re-encode the reduced chunk, all_gather. Each island then sends
 2(k-1) encoded chunks of n/k values: the codec's full ratio at any k, where
 an all-gather of whole payloads would send (k-1) payloads. Sparse codecs use
@@ -25,9 +25,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from diloco_jax import codecs
+from diloco_jax import placement
 from diloco_jax.mesh import ISLANDS
 
 # The island axes: a mesh axis name, or (device axis, folded vmap axis) for
@@ -198,7 +198,8 @@ def gather_bytes(payload_bytes: int, num_islands: int) -> int:
 
 def island_mean(tree, weight, axes: Axes = ISLANDS,
                 codec: codecs.DenseCodec | None = None,
-                key: jax.Array | None = None, return_sent: bool = False):
+                key: jax.Array | None = None, return_sent: bool = False,
+                stripes: int = 1):
   """Weighted mean of `tree` over the islands, identical on every island.
 
   Must be called per island, inside `placement.island_map` (or a
@@ -212,6 +213,9 @@ def island_mean(tree, weight, axes: Axes = ISLANDS,
     key: a PRNG key for the codec's stochastic rounding (None: nearest).
     return_sent: also return what this island's contribution became after
       encoding, in `tree`'s units (for error feedback).
+    stripes: the island's 'data' devices when its arrays are split over
+      them (FSDP): a compressed sum then runs per device on its own shards
+      (placement.stripe), never gathering the tree.
 
   Returns:
     sum_i w_i * tree_i / sum_i w_i (with each island's contribution passed
@@ -221,24 +225,39 @@ def island_mean(tree, weight, axes: Axes = ISLANDS,
   share = weight_share(weight, axes)
   if codec is None or codec.is_identity:
     # Accumulate in float32 whatever the leaves' dtype: summing in low
-    # precision loses the small pseudo-gradients of late training.
+    # precision loses the small pseudo-gradients of late training. Each
+    # leaf is reduced where it lies, shard by shard under FSDP.
     weighted = jax.tree.map(lambda x: x.astype(np.float32) * share, tree)
     summed = island_psum(weighted, axes)
     mean = jax.tree.map(lambda s, x: s.astype(x.dtype), summed, tree)
     return (mean, tree) if return_sent else mean
-  flat, unravel = ravel_pytree(
-      jax.tree.map(lambda x: x.astype(jnp.float32), tree))
-  mean, sent = dense_sum(flat * share, axes, codec, key)
+  matrix, unstripe = placement.stripe(tree, stripes)
+  mean, sent = striped_sum(matrix * share, axes, codec, key)
   # What this island's contribution became, back in its own units; an
   # island with no weight sent nothing.
   sent = unscale(sent, share)
-  cast = lambda values: jax.tree.map(lambda v, x: v.astype(x.dtype),
-                                     unravel(values), tree)
-  return (cast(mean), cast(sent)) if return_sent else cast(mean)
+  return (unstripe(mean), unstripe(sent)) if return_sent else unstripe(mean)
+
+
+def striped_sum(matrix: jax.Array, axes: Axes = ISLANDS,
+                codec: codecs.DenseCodec | None = None,
+                key: jax.Array | None = None):
+  """`dense_sum` of each row of `matrix` [stripes, n] (see placement.stripe).
+
+  Returns:
+    (sum, sent), both [stripes, n].
+  """
+  if matrix.shape[0] == 1:
+    total, sent = dense_sum(matrix[0], axes, codec, key)
+    return total[None], sent[None]
+  keys = None if key is None else jax.random.split(key, matrix.shape[0])
+  return jax.vmap(lambda row, k: dense_sum(row, axes, codec, k),
+                  in_axes=(0, None if keys is None else 0))(matrix, keys)
 
 
 def island_mean_bytes(tree, num_islands: int,
-                      codec: codecs.DenseCodec | None = None) -> int:
+                      codec: codecs.DenseCodec | None = None,
+                      stripes: int = 1) -> int:
   """Bytes one island sends for `island_mean(tree, weight, codec=codec)`.
 
   Args:
@@ -246,13 +265,23 @@ def island_mean_bytes(tree, num_islands: int,
       shapes (no leading island dimension).
     num_islands: k, the number of logical islands.
     codec: as passed to island_mean.
+    stripes: as passed to island_mean: with FSDP every device of the island
+      sends its own shards' part.
   """
-  total = weight_share_bytes(num_islands)
-  sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree)]
+  total = stripes * weight_share_bytes(num_islands)
+  shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(tree)]
   if codec is not None and not codec.is_identity:
-    return total + dense_sum_bytes(sum(sizes), num_islands, codec)
-  # Values are reduced in float32, one all-reduce per leaf.
-  return total + sum(ring_allreduce_bytes(n, 4, num_islands) for n in sizes)
+    width = placement.stripe_width(shapes, stripes)
+    return total + stripes * dense_sum_bytes(width, num_islands, codec)
+  # Values are reduced in float32, one all-reduce per leaf and device: a
+  # split leaf's shard on each device, a replicated leaf whole on each.
+  for shape in shapes:
+    size = int(np.prod(shape))
+    if stripes > 1 and placement.stripe_axis(shape, stripes) is not None:
+      total += stripes * ring_allreduce_bytes(size // stripes, 4, num_islands)
+    else:
+      total += stripes * ring_allreduce_bytes(size, 4, num_islands)
+  return total
 
 
 def unscale(sent: jax.Array, share) -> jax.Array:

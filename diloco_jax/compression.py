@@ -145,7 +145,8 @@ def init_codec_state(params, compression: Compression, seed: int = 0):
 
 
 def island_mean(tree, weight, compression: Compression, codec_state=None,
-                key: jax.Array | None = None, axes=ISLANDS):
+                key: jax.Array | None = None, axes=ISLANDS,
+                stripes: int = 1):
   """Weighted mean of `tree` over the islands through `compression`.
 
   Must be called per island, inside `placement.island_map`.
@@ -157,6 +158,8 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
     codec_state: as made by init_codec_state (replicated).
     key: PRNG key for stochastic rounding, or None for round to nearest.
     axes: the island axes (see communication).
+    stripes: the island's devices its arrays are split over (FSDP); dense
+      codecs only (structured codecs work on whole matrices).
 
   Returns:
     (mean, sent, codec_state): the mean, identical on every island; what
@@ -165,8 +168,12 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   """
   if compression.is_dense:
     mean, sent = communication.island_mean(
-        tree, weight, axes, compression.dense, key, return_sent=True)
+        tree, weight, axes, compression.dense, key, return_sent=True,
+        stripes=stripes)
     return mean, sent, codec_state
+  if stripes > 1:
+    raise ValueError(f"codec {compression.name!r} works on whole matrices; "
+                     "FSDP islands need a dense codec")
   leaves, treedef = jax.tree.flatten(tree)
   share = communication.weight_share(weight, axes)
   structured = [compression.is_structured_leaf(x.shape) for x in leaves]
@@ -371,7 +378,7 @@ def _lowrank_mean(m, share, leaf_state, compression: Compression, key,
 
 
 def mean_bytes(tree, num_islands: int, compression: Compression,
-               rank_indices=None) -> int:
+               rank_indices=None, stripes: int = 1) -> int:
   """Bytes one island sends for `island_mean(tree, ..., compression)`.
 
   Args:
@@ -380,10 +387,11 @@ def mean_bytes(tree, num_islands: int, compression: Compression,
     compression: the codec.
     rank_indices: adaptive_lowrank: each factored matrix's ladder index for
       this round (from the codec state); None means the top of the ladder.
+    stripes: as passed to island_mean (FSDP; dense codecs).
   """
   if compression.is_dense:
     return communication.island_mean_bytes(tree, num_islands,
-                                           compression.dense)
+                                           compression.dense, stripes)
   k = num_islands
   if k <= 1:
     return 0

@@ -209,6 +209,7 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
         state.island_params, state.inner_opt_state, batch)
     state = state.replace(step=state.step + 1, island_params=params,
                           inner_opt_state=opt_state)
+    state = placement.constrain(state, state_shardings(state, mesh, fsdp))
     return state, {"loss": loss, "grad_norm": grad_norm}
 
   return jax.jit(step, donate_argnums=0)
@@ -227,12 +228,18 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   stochastically, with noise derived from (seed, round, island) so a
   resumed run draws the same noise.
 
+  With `fsdp` (params split over each island's 'data' devices) each
+  device reduces its own shards across islands: the whole model is never
+  gathered on one device (dense codecs only).
+
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
   compression = compression_lib.as_compression(compression)
+  # With FSDP each of an island's 'data' devices sends its own shards.
+  stripes = mesh.shape[DATA] if fsdp else 1
 
   def island_sync(global_params, island_params, residuals, codec_state,
                   weight, round_index):
@@ -247,7 +254,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
           jax.random.fold_in(jax.random.key(rounding_seed), round_index),
           communication.island_index())
     mean, sent, codec_state = compression_lib.island_mean(
-        pseudo_grad, weight, compression, codec_state, key)
+        pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
     if residuals is not None:
       residuals = jax.tree.map(jnp.subtract, pseudo_grad, sent)
     return mean, residuals, codec_state
@@ -270,13 +277,13 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     updates, outer_state = outer_opt.update(mean, state.outer_opt_state,
                                             state.global_params)
     new_global = optax.apply_updates(state.global_params, updates)
-    island_params = placement.constrain(
-        _stack(new_global, num_islands(state)),
-        state_shardings(state, mesh, fsdp).island_params)
-    return state.replace(round=state.round + 1, global_params=new_global,
-                         outer_opt_state=outer_state,
-                         island_params=island_params, residuals=residuals,
-                         codec_state=codec_state)
+    state = state.replace(
+        round=state.round + 1, global_params=new_global,
+        outer_opt_state=outer_state,
+        island_params=_stack(new_global, num_islands(state)),
+        residuals=residuals, codec_state=codec_state)
+    # The state keeps its declared layout, so the compiled steps take it.
+    return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
   return jax.jit(outer, donate_argnums=0)
 

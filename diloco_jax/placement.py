@@ -13,9 +13,11 @@ divides evenly (as big_vision's and MaxText's fsdp rules do); without it,
 arrays are replicated over the island's devices.
 """
 
+import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.mesh import DATA, FOLDED, ISLAND
@@ -114,3 +116,65 @@ def constrain(tree, shardings):
   mesh they then refer to).
   """
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def stripe_axis(shape, stripes: int) -> int | None:
+  """The axis FSDP splits over `stripes` devices, or None (replicated)."""
+  spec = fsdp_spec(shape, stripes, True)
+  return spec.index(DATA) if DATA in spec else None
+
+
+def stripe(tree, stripes: int):
+  """Lays a pytree out as one float32 matrix [stripes, n], row s on device s.
+
+  Each leaf split over the island's `stripes` 'data' devices contributes its
+  local shard to its device's row (its split axis moved to the front, so
+  the reshape only relabels local memory); a replicated leaf is cut into
+  `stripes` equal parts (zero-padded). With one stripe this is
+  `ravel_pytree`'s order. Codecs then work row by row, so a dense
+  compressed collective never gathers the whole tree on one device.
+
+  Returns:
+    (matrix, unstripe): unstripe(matrix) gives back the tree's leaves in
+    their own shapes and dtypes.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  rows, layouts = [], []
+  for leaf in leaves:
+    axis = stripe_axis(leaf.shape, stripes) if stripes > 1 else None
+    x = leaf.astype(jnp.float32)
+    if axis is not None:
+      x = jnp.moveaxis(x, axis, 0)
+      rows.append(x.reshape(stripes, -1))
+    else:
+      flat = x.reshape(-1)
+      padded = math.ceil(flat.size / stripes) * stripes
+      rows.append(jnp.pad(flat, (0, padded - flat.size)).reshape(stripes, -1))
+    layouts.append((axis, x.shape, leaf.shape, leaf.dtype, rows[-1].shape[1]))
+  matrix = jnp.concatenate(rows, axis=1)
+  if stripes > 1:
+    matrix = jax.lax.with_sharding_constraint(matrix, P(DATA))
+
+  def unstripe(values):
+    out, start = [], 0
+    for axis, moved_shape, shape, dtype, width in layouts:
+      part = values[:, start:start + width]
+      start += width
+      if axis is not None:
+        x = jnp.moveaxis(part.reshape(moved_shape), 0, axis)
+      else:
+        x = part.reshape(-1)[:math.prod(shape)].reshape(shape)
+      out.append(x.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+  return matrix, unstripe
+
+
+def stripe_width(shapes, stripes: int) -> int:
+  """Columns of stripe()'s matrix for leaves of these shapes."""
+  width = 0
+  for shape in shapes:
+    size = math.prod(shape)
+    width += (size // stripes if stripes > 1 and stripe_axis(shape, stripes)
+              is not None else math.ceil(size / stripes))
+  return width

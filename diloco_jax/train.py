@@ -162,6 +162,69 @@ def _placement_line(mesh, islands: int, config) -> str:
   return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
 
 
+def _byte_counts(config, param_shapes, islands: int, compression):
+  """(bytes of one ddp step, sync_bytes(rank_indices) -> bytes of a sync).
+
+  Bytes one island sends: DDP all-reduces float32 gradients, DiLoCo sends
+  pseudo-gradients through the codec (at this round's low-rank ranks, or
+  None for codecs without ranks); with FSDP every device of an island
+  sends its own shards' part.
+  """
+  stripes = config.mesh.data if config.mesh.fsdp else 1
+  ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands,
+                                                   stripes=stripes)
+
+  @functools.lru_cache(maxsize=None)  # few rank patterns recur
+  def sync_bytes(rank_indices: tuple[int, ...] | None) -> int:
+    if config.mode != "diloco":
+      return ddp_step_bytes
+    return compression_lib.mean_bytes(param_shapes, islands, compression,
+                                      rank_indices, stripes)
+
+  return ddp_step_bytes, sync_bytes
+
+
+def _rank_indices(state) -> tuple[int, ...] | None:
+  """This round's low-rank ranks, chosen last round (a small fetch)."""
+  indices = compression_lib.rank_indices(state.codec_state)
+  return None if indices is None else tuple(indices)
+
+
+def _throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
+                dtype: str) -> dict:
+  """tokens/s, model FLOP/s, and model FLOP utilization against the
+  devices' own peak for the compute dtype (None where flops.py's table
+  does not know the device, e.g. CPUs)."""
+  tokens_per_s = tokens / max(seconds, 1e-9)
+  peak = flops.peak_flops_per_s(mesh.devices.flat[0].device_kind, dtype)
+  peak = peak and peak * mesh.devices.size
+  return {"tokens_per_s": tokens_per_s,
+          "model_flops_per_s": flops_per_token * tokens_per_s,
+          "peak_flops_per_s": peak,
+          "mfu": flops_per_token * tokens_per_s / peak if peak else None}
+
+
+def _check_workdir(workdir: str) -> None:
+  """Refuses a workdir holding run outputs that cannot be resumed."""
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return
+  for name in RUN_FILES:
+    if os.path.exists(os.path.join(workdir, name)):
+      raise WorkdirError(
+          f"--workdir={workdir} holds {name} but no checkpoints to resume "
+          "from; choose a new workdir or delete that one")
+
+
+def _restore_data_positions(batches, meta: dict, islands: int) -> None:
+  """Puts the data streams where the checkpoint left them, if they map."""
+  if "data" not in meta:
+    return
+  if meta["islands"] == islands or "step" in meta["data"]:
+    batches.restore(meta["data"])
+  else:  # per-island read positions do not map onto another island count
+    logging.warning("data streams restart for the new island count")
+
+
 def train_and_evaluate(config, workdir: str, devices=None,
                        launch_time: float | None = None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
@@ -193,13 +256,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
   seq_len = config.data.sequence_length
   batch_size = config.data.batch_size
 
-  checkpoint_dir = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(checkpoint_dir):
-    for name in RUN_FILES:
-      if os.path.exists(os.path.join(workdir, name)):
-        raise WorkdirError(
-            f"--workdir={workdir} holds {name} but no checkpoints to resume "
-            "from; choose a new workdir or delete that one")
+  _check_workdir(workdir)
 
   phase_start = time.perf_counter()
   batches = sources.make_batch_source(config.data, islands, batch_size,
@@ -270,49 +327,30 @@ def train_and_evaluate(config, workdir: str, devices=None,
   if dropped:
     logging.info("dropped %d metrics records logged after step %d; they are "
                  "taken again", dropped, start_step)
-  if "data" in meta:
-    if meta["islands"] == islands or "step" in meta["data"]:
-      batches.restore(meta["data"])
-    else:  # per-island read positions do not map onto another island count
-      logging.warning("data streams restart for the new island count")
+  _restore_data_positions(batches, meta, islands)
   eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
   next_batch = _place(batches.next_batch(), batch_shape.sharding)
   learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
                                                   total_steps)
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    metrics_lib.write_json_atomically(
+        os.path.join(workdir, "config.json"),
+        json.loads(config.to_json_best_effort()))
   writer = metrics_lib.MetricsWriter(workdir, total_steps,
                                      config.log_every_seconds)
 
   programs = compiling.result()
   inner_step, outer_step = programs.inner_step, programs.outer_step
-  evaluate = programs.evaluate
-  evaluate_island_mean = programs.evaluate_island_mean
+  evaluate, evaluate_island_mean = (programs.evaluate,
+                                    programs.evaluate_island_mean)
   compile_s = programs.compile_s
   logging.info("compiled in %.1fs, %.1fs after launch", compile_s,
                time.time() - launch_time)
 
   param_shapes = abstract_state.global_params
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
-  # DDP all-reduces float32 gradients; DiLoCo sends pseudo-gradients
-  # through the codec.
-  ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands)
-
-  @functools.lru_cache(maxsize=None)
-  def sync_bytes(rank_indices: tuple[int, ...] | None) -> int:
-    """Bytes one island sends in a sync at these low-rank ranks (None for
-    codecs without ranks); cached, as few rank patterns recur."""
-    if mode != "diloco":
-      return ddp_step_bytes
-    return compression_lib.mean_bytes(param_shapes, islands, compression,
-                                      rank_indices)
-
-  def current_rank_indices(state) -> tuple[int, ...] | None:
-    """This round's ranks, chosen last round (one small device fetch)."""
-    indices = compression_lib.rank_indices(state.codec_state)
-    return None if indices is None else tuple(indices)
+  ddp_step_bytes, sync_bytes = _byte_counts(config, param_shapes, islands,
+                                            compression)
 
   flops_per_token = flops.training_flops_per_token(config.model, seq_len)
   tokens_per_island_step = batch_size * seq_len
@@ -320,7 +358,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                mode, islands, inner_steps, f"{num_params:,}",
                islands * tokens_per_island_step,
-               sync_bytes(current_rank_indices(state)) / 1e6)
+               sync_bytes(_rank_indices(state)) / 1e6)
   logging.info("placement: %s; attention: %s", _placement_line(
       mesh, islands, config), model_lib.attention_implementation(config.model))
 
@@ -387,7 +425,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
       if outer_step is not None:
         # Islands are weighted by the tokens they processed this round.
         weights = island_round_steps * tokens_per_island_step * island_shares
-        rank_indices = current_rank_indices(state)
+        rank_indices = _rank_indices(state)
         round_bytes = sync_bytes(rank_indices)
         rank = _mean_rank(compression, rank_indices)
         state = outer_step(state, _place(weights.astype(np.float32),
@@ -450,16 +488,9 @@ def train_and_evaluate(config, workdir: str, devices=None,
       "resumed_from_step": start_step,
       "model_flops_per_token": flops_per_token,
   }
-  trained_tokens = tokens_seen - meta.get("tokens_seen", 0)
-  summary["tokens_per_s"] = trained_tokens / max(train_s, 1e-9)
-  summary["model_flops_per_s"] = flops_per_token * summary["tokens_per_s"]
-  # Model FLOP utilization against the devices' own peak for the compute
-  # dtype (None where the device is not in flops.py's table, e.g. CPUs).
-  peak = flops.peak_flops_per_s(mesh.devices.flat[0].device_kind,
-                                config.model.dtype)
-  summary["peak_flops_per_s"] = peak and peak * mesh.devices.size
-  summary["mfu"] = (summary["model_flops_per_s"] / summary["peak_flops_per_s"]
-                    if peak else None)
+  summary.update(_throughput(tokens_seen - meta.get("tokens_seen", 0),
+                             train_s, flops_per_token, mesh,
+                             config.model.dtype))
   summary.update({"final_" + k: v
                   for k, v in _eval_record(eval_loss, byte_level).items()})
   if evaluate_island_mean is not None and island_mean_loss is not None:

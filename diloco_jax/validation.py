@@ -95,6 +95,11 @@ def validate_config(config, num_devices: int) -> None:
   )
 
   _validate_compression(config)
+  _require(
+      not config.mesh.fsdp or config.diloco.codec in codecs.DENSE_CODECS,
+      f"config.mesh.fsdp needs a dense codec {codecs.DENSE_CODECS}; "
+      f"config.diloco.codec={config.diloco.codec!r} works on whole matrices",
+  )
   outer = config.diloco.outer_optimizer
   _require(
       outer.name in config_schema.OUTER_OPTIMIZERS,

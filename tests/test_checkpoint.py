@@ -81,10 +81,9 @@ def check_resume_from_round_2(make_config, tmp_path):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-  # On one device, as `main` places a CPU run by default: both islands fold
-  # onto it, and the runs below compare bit for bit.
-  summary = train.train_and_evaluate(_config(), workdir,
-                                     devices=jax.devices()[:1])
+  # On one device slot per island, as `main` places a CPU run, so the runs
+  # below compare bit for bit.
+  summary = train.train_and_evaluate(_config(), workdir)
   return workdir, summary
 
 
@@ -137,8 +136,7 @@ def test_rerunning_a_finished_run_returns_its_summary(uninterrupted):
 def test_corrupted_latest_checkpoint_falls_back_to_previous(
     uninterrupted, tmp_path, caplog):
   workdir = str(tmp_path / "corrupt")
-  one_device = jax.devices()[:1]  # as the uninterrupted run
-  train.train_and_evaluate(_config(), workdir, devices=one_device)
+  train.train_and_evaluate(_config(), workdir)
   os.remove(os.path.join(workdir, "summary.json"))
   latest = os.path.join(workdir, "checkpoints", "12", "state")
   for root, _, files in os.walk(latest):
@@ -147,7 +145,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
   with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(_config(), workdir, devices=one_device)
+    train.train_and_evaluate(_config(), workdir)
   warnings = [r for r in caplog.records if "unreadable" in r.getMessage()]
   assert len(warnings) == 1 and "step 12" in warnings[0].getMessage()
   _assert_identical_runs(uninterrupted[0], workdir)

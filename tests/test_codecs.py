@@ -1,4 +1,4 @@
-"""Codecs and the compressed island mean (DESIGN.md §1.3)."""
+"""Codecs and the compressed island mean."""
 
 
 import jax

@@ -1,4 +1,4 @@
-"""Identities of the DiLoCo algorithm (DESIGN.md §1.1), on forced CPU devices."""
+"""Identities of the DiLoCo algorithm, on forced CPU devices."""
 
 import re
 
@@ -245,3 +245,23 @@ def test_outer_step_reduces_across_islands_and_inner_step_does_not():
       loss_fn, inner_opt, mesh, sync_gradients_across_islands=True).lower(
           state, batch).compile().as_text()
   assert island_groups in _all_reduce_groups(ddp_hlo)
+
+
+@pytest.mark.parametrize("islands,data", [(2, 1), (2, 2)])
+def test_microbatched_step_equals_the_whole_batch(islands, data):
+  """Gradient accumulation over 4 parts takes the whole batch's step."""
+  batch = helpers.random_batches(1, islands, 8)[0]
+  results = {}
+  for microbatches in (1, 4):
+    _, loss_fn, inner_opt, _, mesh, state = _setup(islands, data)
+    step = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+                                  microbatches=microbatches)
+    state, metrics = step(state, _put_batch(batch, mesh))
+    results[microbatches] = (jax.device_get(metrics),
+                             jax.device_get(state.island_params))
+  (one_metrics, one), (four_metrics, four) = results[1], results[4]
+  np.testing.assert_allclose(four_metrics["loss"], one_metrics["loss"],
+                             rtol=1e-6)
+  np.testing.assert_allclose(four_metrics["grad_norm"],
+                             one_metrics["grad_norm"], rtol=1e-5)
+  helpers.assert_trees_close(four, one, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 from diloco_jax import config_schema
 from diloco_jax import flops
 from diloco_jax import model
+from tests import helpers
 
 # inner width HEADS * HEAD_DIM = 64 differs from D_MODEL = 32 on purpose, and
 # equals MLP so that initialization compiles only two kernel shapes.
@@ -266,3 +267,33 @@ def test_diloco_paper_sizes(nominal, layers, d_model, heads, head_dim, mlp_dim):
   count = model.count_params(abstract)
   assert count == hand_param_count(cfg)
   assert 0.75 * nominal <= count <= 1.25 * nominal, count
+
+
+def test_remat_changes_memory_not_the_gradient(tiny):
+  cfg, graphdef, params = tiny
+  remat_graphdef = model.graphdef(tiny_config(remat=True))
+  tokens = random_tokens(5, (BATCH, SEQ + 1))
+  grad = jax.jit(jax.grad(model.next_token_loss, argnums=1),
+                 static_argnums=0)
+  helpers.assert_trees_close(grad(remat_graphdef, params, tokens),
+                             grad(graphdef, params, tokens),
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_attention_implementation_choice():
+  # On CPU 'auto' is XLA's attention, also for a bf16 model.
+  assert model.attention_implementation(tiny_config()) == "xla"
+  assert model.attention_implementation(tiny_config(dtype="bfloat16")) == (
+      "xla")
+  assert model.attention_implementation(tiny_config(attention="xla")) == "xla"
+
+
+def test_peak_flops_table():
+  assert flops.peak_flops_per_s("NVIDIA H100 80GB HBM3", "bfloat16") == (
+      989.4e12)
+  assert flops.peak_flops_per_s("NVIDIA H100 PCIe", "bfloat16") == 756e12
+  assert flops.peak_flops_per_s("TPU v5 lite", "bfloat16") == 197e12
+  assert flops.peak_flops_per_s("TPU v5p", "bfloat16") == 459e12
+  # Never an f32 peak (XLA picks the matmul precision), never a CPU one.
+  assert flops.peak_flops_per_s("NVIDIA H100 80GB HBM3", "float32") is None
+  assert flops.peak_flops_per_s("cpu", "bfloat16") is None

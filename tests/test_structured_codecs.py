@@ -1,4 +1,4 @@
-"""Sparse and low-rank codecs over pytrees (compression.py, DESIGN.md §1.3)."""
+"""Sparse and low-rank codecs over pytrees."""
 
 import jax
 import jax.numpy as jnp

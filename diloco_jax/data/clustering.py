@@ -1,4 +1,4 @@
-"""Clustering documents on cheap features, for non-iid islands (DESIGN 1.7).
+"""Clustering documents on cheap features, for non-iid islands.
 
 Features are hashed n-gram counts: each document's byte (or token) bigrams and
 trigrams are hashed into `num_buckets` buckets and the count vector is

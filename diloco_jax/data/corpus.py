@@ -2,7 +2,7 @@
 
 `build_corpus` returns the train and validation sequences of an in-memory
 corpus; `build_island_sequences` splits the train documents into clusters,
-one per island, for non-iid training (DESIGN 1.7). `validate_data_config`
+one per island, for non-iid training. `validate_data_config`
 checks a config cheaply so that bad input fails at startup, in one line that
 names the field. The "c4" corpus is streamed instead (see `sources`).
 """
