@@ -46,6 +46,12 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 32,
                                      "microbatch: parts of big_batch.")
 
 
+def _flops(rate: float) -> str:
+  """A FLOP/s figure in TFLOP/s, or GFLOP/s below one TFLOP/s."""
+  return (f"{rate / 1e12:9.2f} TFLOP/s" if rate >= 1e12
+          else f"{rate / 1e9:9.2f} GFLOP/s")
+
+
 def _time_block(run, steps: int) -> float:
   """Seconds per step of `run(steps)`, which must block at its end."""
   start = time.perf_counter()
@@ -194,10 +200,11 @@ def _step_section(config) -> None:
         f"{med['outer'] / med['inner']:.3f}% of 100 inner steps"
         "  (target <= 1%)")
   matmul = _matmul_flops_per_s(config.model.dtype, on_cpu)
-  print(f"  {config.model.dtype} matmul (this run)  {matmul / 1e12:9.2f} "
-        "TFLOP/s")
-  print(f"  model FLOP/s          {model_flops / 1e12:9.2f} TFLOP/s "
-        f"({flops.training_flops_per_token(config.model, config.data.sequence_length) / 1e9:.3f} GFLOP per token)")
+  per_token = flops.training_flops_per_token(config.model,
+                                             config.data.sequence_length)
+  print(f"  {config.model.dtype} matmul (this run)  {_flops(matmul)}")
+  print(f"  model FLOP/s          {_flops(model_flops)} "
+        f"({per_token / 1e6:.2f} MFLOP per token)")
   peak = flops.peak_flops_per_s(device.device_kind, config.model.dtype)
   if peak:
     print(f"    MFU vs the {device.device_kind} {config.model.dtype} peak "
