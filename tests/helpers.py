@@ -101,3 +101,22 @@ def state_after_one_inner_step(islands: int, compression=None,
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P("island")))
   return state, diloco.make_outer_step(outer_opt, mesh, compression), weights
+
+
+def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
+               inner_steps: int):
+  """Runs len(batches) inner steps, an outer step after every inner_steps
+  (none when outer_step is None).
+
+  Returns:
+    (state, losses [steps, islands], grad_norms [steps, islands]).
+  """
+  losses, grad_norms = [], []
+  for step, batch in enumerate(batches, start=1):
+    batch = jax.device_put(batch, NamedSharding(mesh, diloco.BATCH_SPEC))
+    state, metrics = inner_step(state, batch)
+    losses.append(np.asarray(metrics["loss"]))
+    grad_norms.append(np.asarray(metrics["grad_norm"]))
+    if outer_step is not None and step % inner_steps == 0:
+      state = outer_step(state, weights)
+  return state, np.array(losses), np.array(grad_norms)

@@ -90,17 +90,10 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
   weights = jax.device_put(np.arange(1, islands + 1, dtype=np.float32),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   batches = helpers.random_batches(rounds * inner_steps, islands, 2)
-  losses, grad_norms = [], []
-  for r in range(rounds):
-    for h in range(inner_steps):
-      batch = jax.device_put(batches[r * inner_steps + h],
-                             NamedSharding(mesh, diloco.BATCH_SPEC))
-      state, metrics = inner(state, batch)
-      losses.append(np.asarray(metrics["loss"]))
-      grad_norms.append(np.asarray(metrics["grad_norm"]))
-    if not ddp:
-      state = outer(state, weights)
-  return np.array(losses), np.array(grad_norms), jax.device_get(state)
+  state, losses, grad_norms = helpers.run_rounds(
+      state, inner, None if ddp else outer, weights, batches, mesh,
+      inner_steps)
+  return losses, grad_norms, jax.device_get(state)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -64,15 +64,9 @@ def _run(data: int, fsdp: bool, codec=None, rounds: int = 2,
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   batches = helpers.random_batches(rounds * inner_steps, ISLANDS, 8,
                                    seq_len=16, vocab_size=64)
-  losses = []
-  for r in range(rounds):
-    for h in range(inner_steps):
-      batch = jax.device_put(batches[r * inner_steps + h],
-                             NamedSharding(mesh, diloco.BATCH_SPEC))
-      state, metrics = inner(state, batch)
-      losses.append(np.asarray(metrics["loss"]))
-    state = outer(state, weights)
-  return np.array(losses), state
+  state, losses, _ = helpers.run_rounds(state, inner, outer, weights,
+                                        batches, mesh, inner_steps)
+  return losses, state
 
 
 def test_stripes_round_trip_and_one_stripe_is_ravel_order():
