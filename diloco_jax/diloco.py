@@ -154,10 +154,11 @@ def _value_and_grad(loss_fn: LossFn, params, sequences, microbatches: int):
     return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), totals,
                         (loss, grads)), None
 
-  # zeros_like keeps each param's varying-over-islands type, which the
-  # scan's carry must match.
-  zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32),
-                       (jnp.zeros_like(sequences, jnp.float32).sum(), params))
+  # The carry's zeros are derived from the inputs (zeros_like, a sum of
+  # zeros for the loss) so they are typed as varying over islands like the
+  # values the scan adds to them; XLA folds them to constants.
+  zeros = (jnp.zeros_like(sequences, jnp.float32).sum(),
+           jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params))
   (loss, grads), _ = jax.lax.scan(accumulate, zeros, parts)
   grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype),
                        grads, params)
