@@ -16,4 +16,6 @@ Modules, one concern each:
 - clustering: hashed n-gram features and k-means, for non-iid islands.
 - corpus: in-memory corpora (`build_corpus`, `build_island_sequences`) and
   `validate_data_config`.
+- errors: `DataError`, raised for every unusable data file or data setting,
+  in one line naming the file or field.
 """

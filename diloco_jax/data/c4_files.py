@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import gzip
 import json
 import pathlib
+import zlib
 
+from diloco_jax.data import errors
 from diloco_jax.data import file_split
 from diloco_jax.data import text_files
 
@@ -50,7 +52,7 @@ def split_shards(path: str, validation_fraction: float
   Files whose names contain "validation" are the validation split when any
   exist (C4's naming). Otherwise files are held out by the crc32 rule of
   file_split, keeping both splits non-empty. A single file cannot be split by
-  file and is refused (ValueError).
+  file and is refused (DataError).
   """
   root, relative_paths = text_files.resolve_text_files(path)
   relative_paths = [name for name in relative_paths if is_shard(name)]
@@ -59,7 +61,7 @@ def split_shards(path: str, validation_fraction: float
   if any(by_name):
     is_validation = by_name
   elif len(relative_paths) < 2:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.path: {len(relative_paths)} C4 shard(s) at {path!r} and "
         f"none named '*{VALIDATION_MARKER}*'; the split is by file, so give "
         f"at least two shards or a validation shard")
@@ -81,29 +83,70 @@ def split_shards(path: str, validation_fraction: float
 
 
 def _open_text(path: pathlib.Path):
+  # errors="replace": one bad byte sequence should not stop a run; the
+  # document keeps U+FFFD in its place.
   if path.name.endswith(".gz"):
     return gzip.open(path, "rt", encoding="utf-8", errors="replace")
   return open(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _read_problem(error: Exception) -> str:
+  """What a failed read of a shard means, in a few words."""
+  if isinstance(error, EOFError):
+    return ("truncated gzip file: the compressed data ends before its "
+            "end-of-stream marker")
+  if isinstance(error, gzip.BadGzipFile):  # before OSError, its base class
+    return f"not a valid gzip file: {error}"
+  if isinstance(error, zlib.error):
+    return f"corrupt gzip data: {error}"
+  return f"cannot read the file: {error.strerror or error}"
+
+
+def _numbered_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
+  """Yields (line number from 1, line) of a shard.
+
+  gzip and I/O failures (a truncated or corrupt .gz, a file that is no gzip
+  at all) surface as DataError naming the file and the line being read, not
+  as a bare EOFError that names neither.
+  """
+  line_number = 0
+  try:
+    with _open_text(path) as lines:
+      for line_number, line in enumerate(lines, start=1):
+        yield line_number, line
+  except (EOFError, OSError, zlib.error) as error:
+    raise errors.DataError(f"{path}: {_read_problem(error)} "
+                           f"(line {line_number + 1})") from error
+
+
+def _document_text(path: pathlib.Path, line_number: int, line: str) -> str:
+  """The "text" field of one JSON line; DataError naming path:line if none."""
+  try:
+    text = json.loads(line)["text"]
+  except (json.JSONDecodeError, KeyError, TypeError) as error:
+    raise errors.DataError(f"{path}:{line_number}: not a JSON object with "
+                           f"a 'text' field ({error})") from error
+  if not isinstance(text, str):
+    raise errors.DataError(f"{path}:{line_number}: the 'text' field is not "
+                           f"a string ({type(text).__name__})")
+  return text
 
 
 def read_texts(path: pathlib.Path, start_line: int = 0
                ) -> Iterator[tuple[int, str]]:
   """Yields (line number, text) for each document at or after `start_line`.
 
-  Blank lines and empty texts are skipped (they would only add stray EOS
-  tokens) but still counted, so line numbers are positions in the file.
+  Line numbers count from 0. Blank lines and empty texts are skipped (they
+  would only add stray EOS tokens) but still counted, so line numbers are
+  positions in the file. A shard that cannot be read or parsed raises
+  DataError naming the file and line.
   """
-  with _open_text(path) as lines:
-    for line_number, line in enumerate(lines):
-      if line_number < start_line or not line.strip():
-        continue
-      try:
-        text = json.loads(line)["text"]
-      except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}:{line_number + 1}: not a JSON object with "
-                         f"a 'text' field ({error})") from error
-      if text:
-        yield line_number, text
+  for line_number, line in _numbered_lines(path):
+    if line_number <= start_line or not line.strip():
+      continue
+    text = _document_text(path, line_number, line)
+    if text:
+      yield line_number - 1, text
 
 
 class ShardFiles:

@@ -14,6 +14,7 @@ import numpy as np
 from diloco_jax.data import c4_files
 from diloco_jax.data import clustering
 from diloco_jax.data import embedded
+from diloco_jax.data import errors
 from diloco_jax.data import file_split
 from diloco_jax.data import packing
 from diloco_jax.data import streaming
@@ -91,7 +92,7 @@ def build_corpus(data_config) -> Corpus:
                   entropy_rate=documents.entropy_rate)
   for split in ("train", "validation"):
     if getattr(corpus, split).shape[0] == 0:
-      raise ValueError(
+      raise errors.DataError(
           f"config.data: the {split} split of corpus {corpus.name!r} holds "
           f"fewer than sequence_length + 1 = {sequence_length + 1} tokens")
   return corpus
@@ -110,11 +111,11 @@ def build_island_sequences(data_config, num_islands: int, seed: int
   _refuse_streamed(data_config)
   documents = _read_documents(data_config)
   if documents.validation is None:
-    raise ValueError(
+    raise errors.DataError(
         "config.data.island_split='clustered' needs a corpus of several "
         "documents; config.data.path names a single file")
   if len(documents.train) < num_islands:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.island_split='clustered': {len(documents.train)} train "
         f"documents cannot form {num_islands} clusters")
   labels = clustering.cluster_documents(documents.train, num_islands, seed)
@@ -144,36 +145,37 @@ def island_split(data_config) -> str:
 
 
 def validate_data_config(data_config) -> None:
-  """Raises ValueError naming the bad field; reads no corpus.
+  """Raises DataError naming the bad field; reads no corpus.
 
   A SentencePiece model file is loaded (it is small) to check it.
   """
   corpus = _field(data_config, "corpus")
   if corpus not in CORPORA:
-    raise ValueError(f"config.data.corpus={corpus!r} is not one of "
-                     f"{', '.join(repr(name) for name in CORPORA)}")
+    raise errors.DataError(f"config.data.corpus={corpus!r} is not one of "
+                           f"{', '.join(repr(name) for name in CORPORA)}")
   _check_int(data_config, "sequence_length", minimum=1)
   _check_int(data_config, "seed", minimum=0)
   fraction = _field(data_config, "validation_fraction")
   if not 0 < fraction < 1:
-    raise ValueError(f"config.data.validation_fraction must be in (0, 1), "
-                     f"got {fraction!r}")
+    raise errors.DataError(f"config.data.validation_fraction must be in "
+                           f"(0, 1), got {fraction!r}")
   split = island_split(data_config)
   if split not in streaming.ISLAND_SPLITS:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.island_split={split!r} is not one of "
         f"{', '.join(repr(name) for name in streaming.ISLAND_SPLITS)}")
   if corpus == "text_files":
     path = data_config.get("path") or ""
     if not path:
-      raise ValueError("config.data.path is required for corpus 'text_files'")
+      raise errors.DataError(
+          "config.data.path is required for corpus 'text_files'")
     problem = text_files.path_problem(path)
     if problem:
-      raise ValueError(f"config.data.path: {problem}")
+      raise errors.DataError(f"config.data.path: {problem}")
   elif corpus == "synthetic":
     _validate_synthetic(data_config)
     if tokenizer_lib.tokenizer_name(data_config) != "byte":
-      raise ValueError(
+      raise errors.DataError(
           "config.data.tokenizer: the synthetic corpus is made of token ids "
           "already; leave the tokenizer at 'byte'")
   elif corpus == "c4":
@@ -188,27 +190,27 @@ def _validate_c4(data_config) -> None:
   if tfds_name:
     # path is the TFDS data_dir; empty means TFDS's default directory.
     if not tfds_documents.tfds_available():
-      raise ValueError(
+      raise errors.DataError(
           f"config.data.tfds_name={tfds_name!r} needs tensorflow-datasets "
           f"(pip install tensorflow-datasets)")
     return
   if not path:
-    raise ValueError(
+    raise errors.DataError(
         "config.data.path is required for corpus 'c4' (a directory or glob "
         "of C4 JSON-lines shards, or a TFDS data_dir with "
         "config.data.tfds_name)")
   problem = c4_files.shards_problem(path)
   if problem:
-    raise ValueError(f"config.data.path: {problem}")
+    raise errors.DataError(f"config.data.path: {problem}")
   train, _ = c4_files.split_shards(path, data_config.validation_fraction)
   if not train:
-    raise ValueError(f"config.data.path: every shard at {path!r} is named "
-                     f"'*validation*'; no train shards are left")
+    raise errors.DataError(f"config.data.path: every shard at {path!r} is "
+                           f"named '*validation*'; no train shards are left")
 
 
 def _refuse_streamed(data_config) -> None:
   if data_config.corpus in STREAMED_CORPORA:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.corpus={data_config.corpus!r} is streamed, not held in "
         f"memory; use sources.make_batch_source")
 
@@ -221,8 +223,8 @@ def _validate_synthetic(data_config) -> None:
   concentration = _field(synthetic_config, "concentration",
                          prefix="config.data.synthetic")
   if not concentration > 0:
-    raise ValueError(f"config.data.synthetic.concentration must be positive, "
-                     f"got {concentration!r}")
+    raise errors.DataError(f"config.data.synthetic.concentration must be "
+                           f"positive, got {concentration!r}")
   for name in ("num_documents", "document_length", "validation_documents"):
     _check_int(synthetic_config, name, minimum=1,
                prefix="config.data.synthetic")
@@ -231,7 +233,7 @@ def _validate_synthetic(data_config) -> None:
   for name in ("num_documents", "validation_documents"):
     tokens = synthetic_config[name] * tokens_per_document
     if tokens < chunk_length:
-      raise ValueError(
+      raise errors.DataError(
           f"config.data.synthetic.{name}: {synthetic_config[name]} documents "
           f"hold {tokens} tokens, fewer than one sequence of "
           f"sequence_length + 1 = {chunk_length}")
@@ -239,7 +241,7 @@ def _validate_synthetic(data_config) -> None:
 
 def _field(config, name: str, prefix: str = "config.data"):
   if name not in config:
-    raise ValueError(f"{prefix}.{name} is missing")
+    raise errors.DataError(f"{prefix}.{name} is missing")
   return config[name]
 
 
@@ -250,8 +252,8 @@ def _check_int(config, name: str, minimum: int, maximum: int | None = None,
   if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
       or value < minimum or (maximum is not None and value > maximum)):
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    raise ValueError(f"{prefix}.{name} must be an integer {bounds}, "
-                     f"got {value!r}")
+    raise errors.DataError(f"{prefix}.{name} must be an integer {bounds}, "
+                           f"got {value!r}")
 
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import errors
 from diloco_jax.data import streaming
 from diloco_jax.data import streams
 from diloco_jax.data import tfds_documents
@@ -86,8 +87,8 @@ class InMemoryBatchSource:
   def restore(self, state: dict) -> None:
     step = state.get("step") if isinstance(state, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-      raise ValueError(f"data state must be {{'step': int >= 0}}, got "
-                       f"{state!r}")
+      raise errors.DataError(f"data state must be {{'step': int >= 0}}, got "
+                             f"{state!r}")
     self._step = step
 
   def island_token_weights(self) -> np.ndarray:
@@ -102,7 +103,11 @@ class InMemoryBatchSource:
 
 def make_batch_source(data_config, num_islands: int, batch_size: int,
                       seed: int) -> BatchSource:
-  """The batch source for config.data, validated first (ValueError)."""
+  """The batch source for config.data, validated first (DataError).
+
+  A streamed corpus reads its first batch here too, so an unreadable first
+  shard fails before the training step is compiled.
+  """
   corpus_lib.validate_data_config(data_config)
   split = corpus_lib.island_split(data_config)
   if data_config.corpus in corpus_lib.STREAMED_CORPORA:
@@ -193,4 +198,18 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
   source.info = SourceInfo(name=_c4_name(data_config),
                            vocab_size=tokenizer.vocab_size,
                            eos_id=tokenizer.eos_id, island_split=split)
+  _read_first_batch(source)
   return source
+
+
+def _read_first_batch(source: BatchSource) -> None:
+  """Reads one batch and rewinds to the start.
+
+  Shards are read lazily, and the loop's first batch comes after compilation
+  (minutes for a large model): a shard that is not gzip, not JSON lines or
+  has no "text" field should fail now, in one line naming the file. Costs
+  one batch of reading; the rewind re-reads it from the same position.
+  """
+  start = source.state()
+  source.next_batch()
+  source.restore(start)

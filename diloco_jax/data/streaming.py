@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from diloco_jax.data import clustering
+from diloco_jax.data import errors
 from diloco_jax.data import packing
 
 ISLAND_SPLITS = ("iid", "clustered")
@@ -89,7 +90,7 @@ class _IslandStream:
         offset = 0
       if not found_any and shard_position == 0:
         # A whole epoch without a document would loop forever.
-        raise ValueError(
+        raise errors.DataError(
             f"config.data: island {self._island} found no documents in its "
             f"{self._shards.size} shard(s)")
       epoch, shard_position = epoch + 1, 0
@@ -124,12 +125,12 @@ class _IslandStream:
     """Continues from a position `state()` returned."""
     missing = [key for key in _STATE_KEYS if key not in state]
     if missing:
-      raise ValueError(f"data state lacks {', '.join(missing)}")
+      raise errors.DataError(f"data state lacks {', '.join(missing)}")
     values = {key: int(state[key]) for key in _STATE_KEYS}
     if values["shard_position"] >= max(self._shards.size, 1):
-      raise ValueError(f"data state shard_position {values['shard_position']}"
-                       f" is beyond island {self._island}'s "
-                       f"{self._shards.size} shards")
+      raise errors.DataError(
+          f"data state shard_position {values['shard_position']} is beyond "
+          f"island {self._island}'s {self._shards.size} shards")
     self._restored = values
     self._stream = self._documents_from(values["epoch"],
                                         values["shard_position"],
@@ -160,7 +161,7 @@ class StreamingIslandBatches:
     self._chunk_length = sequence_length + 1
     if centroids is None:
       if documents.num_shards < num_islands:
-        raise ValueError(
+        raise errors.DataError(
             f"config.data.path: {documents.num_shards} train shard(s) for "
             f"{num_islands} islands; island_split 'iid' gives each island its "
             f"own shards, so at least {num_islands} are needed")
@@ -195,7 +196,7 @@ class StreamingIslandBatches:
     """Continues exactly where the source that returned `state` was."""
     islands = state.get("islands") if isinstance(state, dict) else None
     if not isinstance(islands, list) or len(islands) != self._num_islands:
-      raise ValueError(
+      raise errors.DataError(
           f"data state holds {len(islands) if isinstance(islands, list) else 0}"
           f" island positions, expected {self._num_islands} (was the number "
           f"of islands changed?)")
@@ -239,7 +240,7 @@ def fit_centroids(documents: DocumentShards, num_islands: int, seed: int,
     if len(texts) == sample_documents:
       break
   if len(texts) < num_islands:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.island_split='clustered': the train shards hold "
         f"{len(texts)} documents, fewer than {num_islands} islands")
   encoded = [text.encode("utf-8") for text in texts]
@@ -251,7 +252,7 @@ def fit_centroids(documents: DocumentShards, num_islands: int, seed: int,
     token_counts[label] += tokenizer.encode(text).size + 1  # + EOS
   empty = np.flatnonzero(token_counts == 0)
   if empty.size:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.island_split='clustered': clusters "
         f"{empty.tolist()} got no document of the {len(texts)}-document "
         f"sample; the corpus has fewer than {num_islands} distinct kinds")
@@ -277,7 +278,7 @@ def eval_sequences(documents: DocumentShards, tokenizer: Tokenizer,
       break
   packed = packing.pack_documents(pieces, tokenizer.eos_id, sequence_length)
   if packed.shape[0] < num_sequences:
-    raise ValueError(
+    raise errors.DataError(
         f"config.eval: eval needs {num_sequences} sequences of "
         f"{sequence_length + 1} tokens, but the validation split holds only "
         f"{packed.shape[0]}")

@@ -5,6 +5,8 @@ the step: no iterator state is checkpointed.
 """
 import numpy as np
 
+from diloco_jax.data import errors
+
 
 class IslandBatches:
   """IID batches for `num_islands` islands, disjoint within each epoch.
@@ -28,7 +30,7 @@ class IslandBatches:
                        f"({batch_size}) must be positive")
     sequences_per_island = sequences.shape[0] // num_islands
     if sequences_per_island < batch_size:
-      raise ValueError(
+      raise errors.DataError(
           f"not enough data: {sequences.shape[0]} sequences give each of "
           f"{num_islands} islands {sequences_per_island} sequences, fewer than "
           f"one batch of {batch_size}; need at least "
@@ -80,7 +82,7 @@ def eval_batches(sequences: np.ndarray, batch_size: int,
   """
   needed = num_batches * batch_size
   if sequences.shape[0] < needed:
-    raise ValueError(
+    raise errors.DataError(
         f"eval needs {num_batches} batches x {batch_size} = {needed} "
         f"sequences, but only {sequences.shape[0]} are present")
   return sequences[:needed].reshape(num_batches, batch_size,
@@ -102,7 +104,7 @@ class ClusteredIslandBatches:
       raise ValueError(f"batch_size must be positive, got {batch_size}")
     for island, sequences in enumerate(island_sequences):
       if sequences.shape[0] < batch_size:
-        raise ValueError(
+        raise errors.DataError(
             f"not enough data: island {island}'s cluster holds "
             f"{sequences.shape[0]} sequences, fewer than one batch of "
             f"{batch_size}")

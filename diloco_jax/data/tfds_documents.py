@@ -24,6 +24,8 @@ mount point as the data_dir is the dependable route.
 from collections.abc import Iterator
 import importlib.util
 
+from diloco_jax.data import errors
+
 RECORDS_PER_SHARD = 8192
 TEXT_FEATURE = "text"
 
@@ -70,7 +72,7 @@ class TfdsRecords:
       builder = _tfrecord_builder(tfds, name, data_dir)
       if builder is None:
         first_line = str(error).strip().splitlines()[0] if str(error) else ""
-        raise ValueError(
+        raise errors.DataError(
             f"config.data.tfds_name={name!r}: cannot read split {split!r} "
             f"from data_dir config.data.path={data_dir!r}: "
             f"{type(error).__name__}: {first_line}") from error
@@ -127,7 +129,7 @@ def _tfrecord_builder(tfds, name: str, data_dir: str):
   if getattr(file_format, "value", file_format) != "tfrecord":
     return None
   if importlib.util.find_spec("tensorflow") is None:
-    raise ValueError(
+    raise errors.DataError(
         f"config.data.tfds_name={name!r}: the data in config.data.path="
         f"{data_dir!r} is stored as tfrecord, which needs TensorFlow "
         f"(pip install tensorflow); array_record data needs none")

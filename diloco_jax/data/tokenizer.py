@@ -7,6 +7,8 @@ Token ids are uint16 everywhere in the pipeline, so vocabularies must fit it.
 """
 import numpy as np
 
+from diloco_jax.data import errors
+
 TOKENIZERS = ("byte", "sentencepiece")
 _MAX_VOCAB_SIZE = int(np.iinfo(np.uint16).max) + 1
 
@@ -46,18 +48,24 @@ class SentencePieceTokenizer:
   def __init__(self, model_path: str):
     # Imported here: only this tokenizer needs the package.
     import sentencepiece  # pylint: disable=g-import-not-at-top
-    with open(model_path, "rb") as f:
-      model_proto = f.read()
-    self._processor = sentencepiece.SentencePieceProcessor(
-        model_proto=model_proto)
+    model_proto = _read_model_proto(model_path)
+    try:
+      self._processor = sentencepiece.SentencePieceProcessor(
+          model_proto=model_proto)
+    except RuntimeError as error:  # what sentencepiece raises for a bad model
+      raise _model_error(model_path, _first_line(error)) from error
     pieces = self._processor.get_piece_size()
+    if pieces < 1:
+      # Never reached after _read_model_proto's checks, but an uninitialized
+      # processor crashes the process in eos_id() rather than raising.
+      raise _model_error(model_path, "the model holds no pieces")
     model_eos = self._processor.eos_id()
     self.eos_id = model_eos if model_eos >= 0 else pieces
     self.vocab_size = pieces if model_eos >= 0 else pieces + 1
     self.name = f"sentencepiece ({model_path})"
     if self.vocab_size > _MAX_VOCAB_SIZE:
-      raise ValueError(f"vocabulary of {self.vocab_size} ids does not fit "
-                       f"uint16 token ids")
+      raise _model_error(model_path, f"vocabulary of {self.vocab_size} ids "
+                                     f"does not fit uint16 token ids")
 
   def encode(self, text: bytes | str) -> np.ndarray:
     """Returns the piece ids (uint16) of `text`, without BOS or EOS.
@@ -86,25 +94,77 @@ def tokenizer_name(data_config) -> str:
 
 
 def build_tokenizer(data_config) -> Tokenizer:
-  """The tokenizer config.data names; ValueError naming the field if bad."""
+  """The tokenizer config.data names; DataError naming the field if bad.
+
+  A SentencePiece model file is read and checked here, so a bad one fails
+  when the pipeline is built, before anything is compiled.
+  """
   name = tokenizer_name(data_config)
   if name not in TOKENIZERS:
-    raise ValueError(f"config.data.tokenizer={name!r} is not one of "
-                     f"{', '.join(repr(known) for known in TOKENIZERS)}")
+    raise errors.DataError(f"config.data.tokenizer={name!r} is not one of "
+                           f"{', '.join(repr(known) for known in TOKENIZERS)}")
   if name == "byte":
     return ByteTokenizer()
   path = data_config.get("tokenizer_path", "") or ""
   if not path:
-    raise ValueError("config.data.tokenizer_path is required for "
-                     "config.data.tokenizer='sentencepiece' (a .model file)")
+    raise errors.DataError(
+        "config.data.tokenizer_path is required for "
+        "config.data.tokenizer='sentencepiece' (a .model file)")
   try:
     return SentencePieceTokenizer(path)
   except ImportError as error:
-    raise ValueError(
+    raise errors.DataError(
         "config.data.tokenizer='sentencepiece' needs the sentencepiece "
         "package (pip install sentencepiece)") from error
-  except (OSError, RuntimeError, ValueError) as error:
-    # RuntimeError is what sentencepiece raises for a file that is not a model.
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
-    raise ValueError(f"config.data.tokenizer_path: cannot load SentencePiece "
-                     f"model {path!r}: {message}") from error
+
+
+def _model_error(path: str, problem: str) -> errors.DataError:
+  return errors.DataError(f"config.data.tokenizer_path: cannot load "
+                          f"SentencePiece model {path!r}: {problem}")
+
+
+def _first_line(error: Exception) -> str:
+  return str(error).strip().splitlines()[0] if str(error).strip() else (
+      type(error).__name__)
+
+
+def _read_model_proto(path: str) -> bytes:
+  """The bytes of a SentencePiece model file, checked before sentencepiece.
+
+  sentencepiece accepts an empty model (0 bytes) without an error and then
+  crashes the process with a segmentation fault on first use, so the file is
+  checked here: readable, non-empty, and a ModelProto with at least one piece.
+  """
+  try:
+    with open(path, "rb") as f:
+      model_proto = f.read()
+  except OSError as error:
+    raise _model_error(path, error.strerror or _first_line(error)) from error
+  if not model_proto:
+    raise _model_error(path, "the file is empty (0 bytes); expected a "
+                             "SentencePiece .model file")
+  problem = _model_proto_problem(model_proto)
+  if problem:
+    raise _model_error(path, problem)
+  return model_proto
+
+
+def _model_proto_problem(model_proto: bytes) -> str | None:
+  """Why the bytes are no usable ModelProto, or None (also when unknown)."""
+  try:
+    # pylint: disable=g-import-not-at-top
+    # Ships with sentencepiece but needs protobuf; without it sentencepiece's
+    # own parse still refuses garbage, and the empty file is refused above.
+    from google.protobuf import message
+    from sentencepiece import sentencepiece_model_pb2
+  except ImportError:
+    return None
+  try:
+    model = sentencepiece_model_pb2.ModelProto.FromString(model_proto)
+  except message.DecodeError:
+    # protobuf's own message ("Wire format was corrupt") adds nothing.
+    return ("not a SentencePiece model: its protobuf does not parse "
+            "(a truncated file, or another kind of file?)")
+  if not model.pieces:
+    return "not a SentencePiece model (it holds no pieces)"
+  return None
