@@ -6,8 +6,16 @@ what the loop needs to continue exactly: per-island data positions, progress
 inside the current round, the island count, the parameter shapes and the
 config. Saves are asynchronous; orbax finalizes a step only once it is fully
 written, so a process killed mid-save leaves the previous checkpoint intact.
+
+Every save is checked first: a state holding NaN or inf is never written (so
+`max_to_keep` can never push out the last good checkpoint for a bad one).
+The record carries a digest of every array (integrity.py) and of itself;
+restoring recomputes them, so a checkpoint whose bytes changed on disk is
+set aside like an unreadable one.
 """
 
+import hashlib
+import json
 import os
 import time
 
@@ -16,8 +24,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from diloco_jax import guards
+from diloco_jax import integrity
+
 STATE = "state"
 META = "meta"
+CHECKSUMS = "checksums"  # in the meta record: {leaf path: digest}
+META_DIGEST = "meta_sha256"
+
+
+def _meta_digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != META_DIGEST}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def param_shapes_record(params) -> dict:
@@ -85,27 +103,60 @@ class Checkpointer:
     """Finalized checkpoint steps, oldest first."""
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state, meta: dict) -> None:
-    """Starts saving `state` and `meta` at `step` (returns before it ends)."""
+  def save(self, step: int, state, meta: dict,
+           inspect_state=integrity.inspect_state) -> None:
+    """Starts saving `state` and `meta` at `step` (returns before it ends).
+
+    Args:
+      inspect_state: integrity.inspect_state, or a compiled equivalent.
+
+    Raises:
+      guards.NonFiniteError: the state holds NaN or inf; nothing is saved.
+    """
+    digests, nonfinite = inspect_state(state)
+    problem = guards.state_problem(step, nonfinite)
+    if problem:
+      raise problem
+    meta = {**meta, CHECKSUMS: digests}
+    meta[META_DIGEST] = _meta_digest(meta)
     self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state),
         META: ocp.args.JsonSave(meta),
     }), force=True)
 
   def read_meta(self, step: int) -> dict:
-    """The JSON record saved with `step` (cheap: no arrays are read)."""
-    return self._manager.restore(step, args=ocp.args.Composite(**{
-        META: ocp.args.JsonRestore()}))[META]
+    """The JSON record saved with `step` (cheap: no arrays are read).
 
-  def restore_state(self, step: int, abstract_state):
+    Raises:
+      CorruptCheckpointError: the record's digest does not match it.
+    """
+    meta = self._manager.restore(step, args=ocp.args.Composite(**{
+        META: ocp.args.JsonRestore()}))[META]
+    if META_DIGEST in meta and meta[META_DIGEST] != _meta_digest(meta):
+      raise CorruptCheckpointError("the meta record does not match its "
+                                   "checksum")
+    return meta
+
+  def restore_state(self, step: int, abstract_state, checksums=None):
     """Reads the state saved at `step` into `abstract_state`'s shardings.
 
     Args:
       abstract_state: a pytree of jax.ShapeDtypeStruct with `.sharding` set,
         shaped as the checkpoint was written.
+      checksums: the digests saved with it (meta[CHECKSUMS]), checked
+        against what was read; None skips the check (older checkpoints).
+
+    Raises:
+      CorruptCheckpointError: an array differs from what was saved.
     """
-    return self._manager.restore(step, args=ocp.args.Composite(**{
+    state = self._manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardRestore(abstract_state)}))[STATE]
+    if checksums is not None:
+      mismatch = integrity.digest_mismatch(checksums,
+                                           integrity.inspect_state(state)[0])
+      if mismatch:
+        raise CorruptCheckpointError(mismatch)
+    return state
 
   def latest_readable(self, restore_fn):
     """Restores the newest checkpoint that reads back, falling back on errors.
@@ -162,3 +213,7 @@ class Checkpointer:
 
 class IncompatibleCheckpointError(ValueError):
   """A checkpoint written for a different model; the message names the field."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """A checkpoint whose content no longer matches the digests saved with it."""

@@ -130,5 +130,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 3
   c.checkpoint.async_save = True
 
+  # Resuming under a config that changes the run's meaning (schedule,
+  # optimizers, codec, data, mode, seed, model, eval) is refused unless the
+  # changed fields are named here, comma-separated (e.g.
+  # 'total_steps,diloco.codec'; a section name allows all its fields).
+  c.resume = ml_collections.ConfigDict()
+  c.resume.allow_changes = ""
+
+  # A NaN or inf loss, gradient norm or eval loss: 'stop' with an error
+  # naming the step and island, or 'rollback' to the last good checkpoint,
+  # skipping the batches taken since (at most max_rollbacks times per run).
+  c.nonfinite = "stop"
+  c.max_rollbacks = 3
+
   c.log_every_seconds = 5.0
   return c

@@ -87,14 +87,31 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   config = _CONFIG.value
   _configure_devices(config)
-  from diloco_jax import checkpointing  # pylint: disable=g-import-not-at-top
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
-  from diloco_jax import validation  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from diloco_jax import checkpointing
+  from diloco_jax import guards
+  from diloco_jax import stops
+  from diloco_jax import train
+  from diloco_jax import validation
+  from diloco_jax import workdir
+  from diloco_jax.data import errors as data_errors
+  # pylint: enable=g-import-not-at-top
   try:
     train.train_and_evaluate(config, _WORKDIR.value,
                              launch_time=_LAUNCH_TIME)
-  except (validation.ConfigError, train.WorkdirError,
-          checkpointing.IncompatibleCheckpointError) as e:
+  except stops.StopRequested as e:
+    logging.warning("%s", e)
+    print(str(e), file=sys.stderr)
+    sys.exit(e.exit_code)
+  except KeyboardInterrupt:
+    # A second Ctrl-C: the run was interrupted mid-step; any checkpoint
+    # being saved was finished first.
+    sys.exit("interrupted: rerun the same command to resume from the last "
+             "checkpoint")
+  except (validation.ConfigError, workdir.WorkdirError,
+          checkpointing.IncompatibleCheckpointError, data_errors.DataError,
+          guards.NonFiniteError) as e:
+    # What the user can fix, in one line and last: no traceback.
     logging.error("%s", e)
     sys.exit(f"error: {e}")
 

@@ -1,6 +1,8 @@
 """One writer fan-out for metrics: console progress, metrics.jsonl, TensorBoard.
 
-Only process 0 writes, so a multi-host run produces one set of files.
+Only process 0 writes, so a multi-host run produces one set of files. JSON
+has no NaN or inf, so such values are written as null: every line of
+metrics.jsonl and every summary parses with any JSON reader.
 """
 
 import json
@@ -23,6 +25,17 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+def json_safe(value):
+  """`value` with every NaN or inf float (at any depth) replaced by None."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict):
+    return {k: json_safe(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [json_safe(v) for v in value]
+  return value
+
+
 def write_json_atomically(path: str, payload: dict) -> None:
   """Writes JSON to `path` through a temporary file and a rename.
 
@@ -30,7 +43,8 @@ def write_json_atomically(path: str, payload: dict) -> None:
   """
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    json.dump(payload, f, indent=2, sort_keys=True)
+    json.dump(json_safe(payload), f, indent=2, sort_keys=True,
+              allow_nan=False)
     f.write("\n")
   os.replace(tmp, path)
 
@@ -51,6 +65,7 @@ class MetricsWriter:
     self._start_tokens = 0
     self._jsonl = None
     self._tensorboard = None
+    self._workdir = workdir
     if _is_writer():
       # Imported here so that reading metrics (tests, notebooks) does not
       # need TensorBoard's protobuf stack.
@@ -70,11 +85,20 @@ class MetricsWriter:
   def write(self, record: dict) -> None:
     """Writes one step's record (must hold 'step', 'round', 'tokens_seen')."""
     if self._jsonl is not None:
-      self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+      self._jsonl.write(json.dumps(json_safe(record), sort_keys=True,
+                                   allow_nan=False) + "\n")
       for key, value in record.items():
-        if key != "step" and isinstance(value, (int, float)):
+        if (key != "step" and isinstance(value, (int, float))
+            and math.isfinite(value)):
           self._tensorboard.add_scalar(key, value, record["step"])
     self._maybe_log(record)
+
+  def truncate(self, last_step: int) -> None:
+    """Drops the records after `last_step` (a rollback takes them again)."""
+    if self._jsonl is not None:
+      self._jsonl.close()
+      truncate_metrics(self._workdir, last_step)
+      self._jsonl = open(os.path.join(self._workdir, "metrics.jsonl"), "a")
 
   def _maybe_log(self, record: dict) -> None:
     now = time.perf_counter()

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import diloco
+from diloco_jax import integrity
 from diloco_jax import mesh as mesh_lib
 
 
@@ -24,6 +25,7 @@ class Programs(NamedTuple):
   outer_step: Any
   evaluate: Any
   evaluate_island_mean: Any
+  inspect_state: Any  # integrity.inspect_state, checked before each save
   compile_s: float
 
 
@@ -65,6 +67,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
       state, eval_batch).compile()
   return Programs(inner_step, outer_step, evaluate, evaluate_island_mean,
+                  integrity.compile_inspector(state),
                   time.perf_counter() - start)
 
 

@@ -9,8 +9,15 @@ are fetched one step late so the host never waits on the device.
 Runs are resumable: the state is checkpointed (see checkpointing.py) and
 rerunning the same command in the same workdir continues from the newest
 readable checkpoint, replaying exactly what an uninterrupted run would do.
+
+Runs never lose work or report what did not happen: one run holds a workdir
+at a time (workdir.py); a NaN or inf stops the run or rolls it back
+(guards.py) and is never saved; SIGTERM and Ctrl-C save before exiting
+(stops.py); any error waits for the checkpoint in flight; resuming under a
+config that changes the run's meaning is refused (config_changes.py).
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,21 +32,60 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from diloco_jax import checkpointing
 from diloco_jax import compression as compression_lib
 from diloco_jax import communication
+from diloco_jax import config_changes
 from diloco_jax import diloco
 from diloco_jax import flops
+from diloco_jax import guards
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optimizers
 from diloco_jax import programs as programs_lib
+from diloco_jax import stops
 from diloco_jax import validation
+from diloco_jax import workdir as workdir_lib
 from diloco_jax.data import sources
 
-RUN_FILES = ("metrics.jsonl", "summary.json")
+WorkdirError = workdir_lib.WorkdirError
 
 
-class WorkdirError(ValueError):
-  """The workdir holds another run's outputs that cannot be resumed."""
+class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
+  """Resuming under a config that changes the run's meaning, not allowed."""
+
+
+@dataclasses.dataclass
+class Progress:
+  """The run's counters, saved with each checkpoint and restored with it.
+
+  A restart may change the island count, so per-island progress is cut or
+  padded to the islands there are now.
+  """
+  islands: int
+  rounds_done: int = 0
+  tokens_seen: int = 0
+  comm_bytes: int = 0  # what one island has sent
+  ddp_comm_bytes: int = 0  # what DDP would have sent for the same steps
+  fp32_comm_bytes: int = 0  # what the syncs would have sent uncompressed
+  island_round_steps: np.ndarray = None  # steps since each island's last sync
+  config_changes: list = dataclasses.field(default_factory=list)
+  rollbacks: list = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    steps = np.zeros(self.islands, np.int64)
+    saved = list([] if self.island_round_steps is None
+                 else self.island_round_steps)[:self.islands]
+    steps[:len(saved)] = saved
+    self.island_round_steps = steps
+
+  @classmethod
+  def from_meta(cls, meta: dict, islands: int) -> "Progress":
+    names = {f.name for f in dataclasses.fields(cls)} - {"islands"}
+    return cls(islands, **{k: v for k, v in meta.items() if k in names})
+
+  def to_meta(self) -> dict:
+    record = dataclasses.asdict(self)
+    record["island_round_steps"] = self.island_round_steps.tolist()
+    return record
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
@@ -94,8 +140,28 @@ def _with_shardings(abstract_tree, shardings):
       abstract_tree, shardings)
 
 
+def _refuse_config_changes(where: str, meta: dict, config) -> None:
+  """Raises ConfigChangedError for changes resume.allow_changes lacks."""
+  if "config" not in meta:
+    return
+  refused = config_changes.refused(
+      config_changes.changes(meta["config"], _config_record(config)),
+      config.resume.allow_changes)
+  if refused:
+    names = ",".join(c["field"] for c in refused)
+    raise ConfigChangedError(
+        f"{where} was written with another config: "
+        f"{config_changes.describe(refused)}; rerun with the checkpoint's "
+        f"values, use another workdir, or allow the change with "
+        f"--config.resume.allow_changes={names}")
+
+
+def _config_record(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
 def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
-             islands: int):
+             islands: int, compare_config: bool = True):
   """Restores the newest readable checkpoint, adapting the island count.
 
   Returns:
@@ -103,7 +169,9 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
 
   Raises:
     checkpointing.IncompatibleCheckpointError: the checkpoint was written for
-      a model of another shape (checked before any array is read).
+      a model of another shape, or (ConfigChangedError) with a config whose
+      meaning differs, when compare_config (checked before any array is
+      read).
   """
   current_shapes = checkpointing.param_shapes_record(
       abstract_state.global_params)
@@ -113,6 +181,8 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
 
   def restore(step, meta):
     where = f"checkpoint {checkpointer.directory}/{step}"
+    if compare_config:
+      _refuse_config_changes(where, meta, config)
     mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
                                             current_shapes)
     if mismatch:
@@ -127,9 +197,10 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
           "outer_optimizer, config.inner_optimizer, config.diloco.codec "
           "settings or config.diloco.error_feedback differ)")
     saved_islands = meta["islands"]
+    checksums = meta.get(checkpointing.CHECKSUMS)
     if saved_islands == islands:
       return checkpointer.restore_state(
-          step, _with_shardings(abstract_state, target_shardings))
+          step, _with_shardings(abstract_state, target_shardings), checksums)
     # Read at the saved island count, replicated, then resize and reshard.
     saved_abstract = jax.eval_shape(
         lambda s: diloco.resize_islands(s, saved_islands, inner_opt),
@@ -137,7 +208,7 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
                               saved_abstract)
     saved = checkpointer.restore_state(
-        step, _with_shardings(saved_abstract, replicated))
+        step, _with_shardings(saved_abstract, replicated), checksums)
     logging.warning(
         "resuming with %d islands from a checkpoint of %d: %s", islands,
         saved_islands,
@@ -204,17 +275,6 @@ def _throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
-def _check_workdir(workdir: str) -> None:
-  """Refuses a workdir holding run outputs that cannot be resumed."""
-  if os.path.isdir(os.path.join(workdir, "checkpoints")):
-    return
-  for name in RUN_FILES:
-    if os.path.exists(os.path.join(workdir, name)):
-      raise WorkdirError(
-          f"--workdir={workdir} holds {name} but no checkpoints to resume "
-          "from; choose a new workdir or delete that one")
-
-
 def _restore_data_positions(batches, meta: dict, islands: int) -> None:
   """Puts the data streams where the checkpoint left them, if they map."""
   if "data" not in meta:
@@ -230,7 +290,9 @@ def train_and_evaluate(config, workdir: str, devices=None,
   """Trains as `config` says, writing metrics, checkpoints and a summary.
 
   Rerunning with the same workdir resumes from the newest checkpoint; a run
-  that already finished returns its summary.
+  that already finished returns its summary. The workdir is locked for the
+  call's duration; SIGTERM and SIGINT (in the main thread) end the run at
+  the next step with a checkpoint and StopRequested.
 
   Args:
     config: a config built from config_schema.base_config().
@@ -243,20 +305,52 @@ def train_and_evaluate(config, workdir: str, devices=None,
 
   Returns:
     The summary dict also written to `workdir/summary.json`.
+
+  Raises:
+    validation.ConfigError, workdir.WorkdirError, data.DataError,
+    checkpointing.IncompatibleCheckpointError (ConfigChangedError): before
+      anything is compiled or written, where they can be known then.
+    guards.NonFiniteError: NaN or inf under config.nonfinite='stop' (or
+      after config.max_rollbacks rollbacks).
+    stops.StopRequested: a signal stopped the run after saving.
   """
-  wall_start = time.perf_counter()
   launch_time = time.time() if launch_time is None else launch_time
   devices = jax.devices() if devices is None else list(devices)
   validation.validate_config(config, num_devices=len(devices))
+  workdir, lock = workdir_lib.claim(workdir,
+                                    lock=jax.process_index() == 0)
+  try:
+    with stops.StopSignals() as signals:
+      return _train(config, workdir, devices, launch_time, signals)
+  finally:
+    if lock is not None:
+      lock.release()
 
+
+def _close_after_error(checkpointer, writer) -> None:
+  """Waits for the checkpoint in flight so an error loses nothing saved.
+
+  A failure of that save is logged, not raised: the error being handled is
+  the one to report.
+  """
+  try:
+    checkpointer.close()
+  except Exception as e:  # pylint: disable=broad-except
+    logging.error("the checkpoint being saved could not be finished: %s", e)
+  if writer is not None:
+    writer.close()
+
+
+def _train(config, workdir: str, devices, launch_time: float,
+           signals: stops.StopSignals) -> dict:
+  """train_and_evaluate's body, in a locked workdir with signals caught."""
+  wall_start = time.perf_counter()
   mode = config.mode
   islands = validation.effective_islands(config)
   inner_steps = config.diloco.inner_steps
   total_steps = config.total_steps
   seq_len = config.data.sequence_length
   batch_size = config.data.batch_size
-
-  _check_workdir(workdir)
 
   phase_start = time.perf_counter()
   batches = sources.make_batch_source(config.data, islands, batch_size,
@@ -285,210 +379,279 @@ def train_and_evaluate(config, workdir: str, devices=None,
   abstract_state = jax.eval_shape(init, model_lib.param_shapes(config.model))
   state_shardings = diloco.state_shardings(abstract_state, mesh, fsdp)
 
+  def initial_state():
+    # Params are created on their devices, already sharded.
+    with model_lib.fast_init_compile():
+      return jax.jit(lambda seed: init(model_lib.new_params(config.model,
+                                                           seed)),
+                     out_shardings=state_shardings)(config.seed)
+
   checkpointer = checkpointing.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
       async_save=config.checkpoint.async_save)
-  restored = _restore(checkpointer, config, abstract_state, mesh, inner_opt,
-                      islands)
-  if restored is not None:
-    start_step, meta, state = restored
-    if start_step > total_steps:
-      raise validation.ConfigError(
-          f"config.total_steps={total_steps} is before the checkpoint at step "
-          f"{start_step} in {checkpointer.directory}")
-    logging.info("resuming from the checkpoint at step %d", start_step)
-  summary_path = os.path.join(workdir, "summary.json")
-  if restored is not None and start_step == total_steps and os.path.exists(
-      summary_path):
-    logging.info("the run in %s already finished", workdir)
-    checkpointer.close()
-    with open(summary_path) as f:
-      return json.load(f)
-
-  # The steps compile from shapes in the background while the state is
-  # initialized and the rest is set up.
-  batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
-      mesh, islands, batch_size, seq_len, config.eval.batch_size)
-  compiling = programs_lib.compile_in_background(
-      config, mesh, loss_fn, inner_opt, outer_opt, compression,
-      _with_shardings(abstract_state, state_shardings), batch_shape,
-      eval_shape, weights_shape)
-  if restored is None:
+  restore = functools.partial(_restore, checkpointer, config, abstract_state,
+                              mesh, inner_opt, islands)
+  writer = None
+  try:
+    restored = restore()
     start_step, meta = 0, {}
-    # Params are created on their devices, already sharded.
-    with model_lib.fast_init_compile():
-      state = jax.jit(lambda seed: init(model_lib.new_params(config.model,
-                                                            seed)),
-                      out_shardings=state_shardings)(config.seed)
-  jax.block_until_ready(state)
-  logging.info("state %s in %.1fs", "restored" if start_step else "initialized",
-               time.perf_counter() - phase_start)
-  dropped = metrics_lib.truncate_metrics(workdir, start_step)
-  if dropped:
-    logging.info("dropped %d metrics records logged after step %d; they are "
-                 "taken again", dropped, start_step)
-  _restore_data_positions(batches, meta, islands)
-  eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
-  next_batch = _place(batches.next_batch(), batch_shape.sharding)
-  learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
-                                                  total_steps)
-  if jax.process_index() == 0:
-    metrics_lib.write_json_atomically(
-        os.path.join(workdir, "config.json"),
-        json.loads(config.to_json_best_effort()))
-  writer = metrics_lib.MetricsWriter(workdir, total_steps,
-                                     config.log_every_seconds)
+    if restored is not None:
+      start_step, meta, state = restored
+      if start_step > total_steps:
+        raise validation.ConfigError(
+            f"config.total_steps={total_steps} is before the checkpoint at step "
+            f"{start_step} in {checkpointer.directory}")
+      logging.info("resuming from the checkpoint at step %d", start_step)
+    summary_path = os.path.join(workdir, "summary.json")
+    if restored is not None and start_step == total_steps and os.path.exists(
+        summary_path):
+      logging.info("the run in %s already finished", workdir)
+      checkpointer.close()
+      with open(summary_path) as f:
+        return json.load(f)
+    progress = Progress.from_meta(meta, islands)
+    if restored is not None and "config" in meta:
+      changed = config_changes.changes(meta["config"], _config_record(config))
+      if changed:
+        logging.warning("resuming with config changes allowed by "
+                        "config.resume.allow_changes: %s",
+                        config_changes.describe(changed))
+        progress.config_changes += [{"step": start_step, **c} for c in changed]
 
-  programs = compiling.result()
-  inner_step, outer_step = programs.inner_step, programs.outer_step
-  evaluate, evaluate_island_mean = (programs.evaluate,
-                                    programs.evaluate_island_mean)
-  compile_s = programs.compile_s
-  logging.info("compiled in %.1fs, %.1fs after launch", compile_s,
-               time.time() - launch_time)
+    # The steps compile from shapes in the background while the state is
+    # initialized and the rest is set up.
+    batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
+        mesh, islands, batch_size, seq_len, config.eval.batch_size)
+    compiling = programs_lib.compile_in_background(
+        config, mesh, loss_fn, inner_opt, outer_opt, compression,
+        _with_shardings(abstract_state, state_shardings), batch_shape,
+        eval_shape, weights_shape)
+    if restored is None:
+      state = initial_state()
+    jax.block_until_ready(state)
+    logging.info("state %s in %.1fs", "restored" if start_step else "initialized",
+                 time.perf_counter() - phase_start)
+    dropped = metrics_lib.truncate_metrics(workdir, start_step)
+    if dropped:
+      logging.info("dropped %d metrics records logged after step %d; they are "
+                   "taken again", dropped, start_step)
+    _restore_data_positions(batches, meta, islands)
+    eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
+    next_batch = _place(batches.next_batch(), batch_shape.sharding)
+    learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
+                                                    total_steps)
+    if jax.process_index() == 0:
+      metrics_lib.write_json_atomically(os.path.join(workdir, "config.json"),
+                                        _config_record(config))
+    writer = metrics_lib.MetricsWriter(workdir, total_steps,
+                                       config.log_every_seconds)
 
-  param_shapes = abstract_state.global_params
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
-  ddp_step_bytes, sync_bytes = _byte_counts(config, param_shapes, islands,
-                                            compression)
+    programs = compiling.result()
+    inner_step, outer_step = programs.inner_step, programs.outer_step
+    evaluate, evaluate_island_mean = (programs.evaluate,
+                                      programs.evaluate_island_mean)
+    compile_s = programs.compile_s
+    logging.info("compiled in %.1fs, %.1fs after launch", compile_s,
+                 time.time() - launch_time)
 
-  flops_per_token = flops.training_flops_per_token(config.model, seq_len)
-  tokens_per_island_step = batch_size * seq_len
-  byte_level = config.data.tokenizer == "byte"
-  logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
-               mode, islands, inner_steps, f"{num_params:,}",
-               islands * tokens_per_island_step,
-               sync_bytes(_rank_indices(state)) / 1e6)
-  logging.info("placement: %s; attention: %s", _placement_line(
-      mesh, islands, config), model_lib.attention_implementation(config.model))
+    param_shapes = abstract_state.global_params
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
+    ddp_step_bytes, sync_bytes = _byte_counts(config, param_shapes, islands,
+                                              compression)
 
-  # Counters carried across restarts (a restart may change the island count).
-  rounds_done = meta.get("rounds_done", 0)
-  tokens_seen = meta.get("tokens_seen", 0)
-  comm_bytes = meta.get("comm_bytes", 0)
-  ddp_comm_bytes = meta.get("ddp_comm_bytes", 0)
-  # What the syncs so far would have sent uncompressed.
-  fp32_comm_bytes = meta.get("fp32_comm_bytes", 0)
-  island_round_steps = np.zeros(islands, np.int64)  # steps since last sync
-  saved_round_steps = meta.get("island_round_steps", [])[:islands]
-  island_round_steps[:len(saved_round_steps)] = saved_round_steps
-  param_shapes_record = checkpointing.param_shapes_record(param_shapes)
+    flops_per_token = flops.training_flops_per_token(config.model, seq_len)
+    tokens_per_island_step = batch_size * seq_len
+    byte_level = config.data.tokenizer == "byte"
+    logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
+                 mode, islands, inner_steps, f"{num_params:,}",
+                 islands * tokens_per_island_step,
+                 sync_bytes(_rank_indices(state)) / 1e6)
+    logging.info("placement: %s; attention: %s", _placement_line(
+        mesh, islands, config), model_lib.attention_implementation(config.model))
 
-  def save(step: int) -> None:
-    writer.flush()  # metrics up to `step` reach the file before the state
-    checkpointer.save(step, state, {
-        "step": step, "rounds_done": rounds_done, "tokens_seen": tokens_seen,
-        "comm_bytes": comm_bytes, "ddp_comm_bytes": ddp_comm_bytes,
-        "fp32_comm_bytes": fp32_comm_bytes,
-        "island_round_steps": island_round_steps.tolist(),
-        "islands": islands, "data": data_state,
-        "param_shapes": param_shapes_record,
-        "state_layout": checkpointing.state_layout_record(abstract_state),
-        "config": json.loads(config.to_json_best_effort()),
-    })
+    param_shapes_record = checkpointing.param_shapes_record(param_shapes)
+    state_layout = checkpointing.state_layout_record(abstract_state)
+    saved_step = start_step  # the newest step a checkpoint holds
 
-  def finish_record(record: dict, step_metrics) -> dict:
-    step_metrics = jax.device_get(step_metrics)
-    record["train_loss"] = float(np.mean(step_metrics["loss"]))
-    record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
-    return record
+    def save(step: int) -> None:
+      nonlocal saved_step
+      writer.flush()  # metrics up to `step` reach the file before the state
+      checkpointer.save(step, state, {
+          **progress.to_meta(), "step": step, "data": data_state,
+          "param_shapes": param_shapes_record, "state_layout": state_layout,
+          "config": _config_record(config),
+      }, programs.inspect_state)
+      saved_step = step
 
-  island_mean_loss = rank = None
-  writer.start_clock(tokens_seen)
-  train_start = time.perf_counter()
-  pending = None  # the previous step's record, finished one step late
-  eval_loss = float("nan")
-  startup_s = None
-  for step in range(start_step + 1, total_steps + 1):
-    state, step_metrics = inner_step(state, next_batch)
-    if startup_s is None:  # launch to the first inner step's result
-      jax.block_until_ready(step_metrics)
-      startup_s = time.time() - launch_time
-      logging.info("first inner step done %.1fs after launch (compile %.1fs)",
-                   startup_s, compile_s)
-    data_state = batches.state()  # the position after the batch just used
-    island_round_steps += 1
-    tokens_seen += islands * tokens_per_island_step
-    ddp_comm_bytes += ddp_step_bytes
-    if mode == "ddp":
-      comm_bytes += ddp_step_bytes
-      fp32_comm_bytes += ddp_step_bytes
-    if step < total_steps:  # prepare the next batch while this step runs
-      next_batch = _place(batches.next_batch(), batch_shape.sharding)
-    if pending is not None:
-      writer.write(finish_record(*pending))
-    round_ended = _round_ends(step, inner_steps, total_steps)
-    if round_ended:
-      if evaluate_island_mean is not None:
-        # Before the outer step resets them, the islands' plain average.
-        island_mean_loss = _mean_loss(evaluate_island_mean, state, eval_arrays)
-      if outer_step is not None:
-        # Islands are weighted by the tokens they processed this round.
-        weights = island_round_steps * tokens_per_island_step * island_shares
-        rank_indices = _rank_indices(state)
-        round_bytes = sync_bytes(rank_indices)
-        rank = _mean_rank(compression, rank_indices)
-        state = outer_step(state, _place(weights.astype(np.float32),
-                                         weights_shape.sharding))
-        comm_bytes += round_bytes
-        fp32_comm_bytes += ddp_step_bytes
-      rounds_done += 1
-      island_round_steps[:] = 0
-    record = {
-        "step": step, "round": math.ceil(step / inner_steps),
-        "learning_rate": float(learning_rates[step - 1]),
-        "tokens_seen": tokens_seen, "comm_bytes": comm_bytes,
-        "ddp_comm_bytes": ddp_comm_bytes,
-        "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
-    }
-    pending = (record, step_metrics)
-    if round_ended:
-      eval_loss = _mean_loss(evaluate, state, eval_arrays)
-      record.update(_eval_record(eval_loss, byte_level))
-      if evaluate_island_mean is not None:
-        record["eval_loss_island_mean"] = island_mean_loss
-      if outer_step is not None and rank is not None:
-        record["codec_mean_rank"] = rank
-      writer.write(finish_record(*pending))
-      pending = None
-    if _checkpoint_due(step, round_ended, rounds_done, total_steps,
-                       config.checkpoint):
-      if pending is not None:
-        writer.write(finish_record(*pending))
+    def finish_record(record: dict, step_metrics) -> None:
+      """Writes a step's record once its metrics are fetched; raises
+      NonFiniteError after writing it if an island diverged."""
+      step_metrics = jax.device_get(step_metrics)
+      record["train_loss"] = float(np.mean(step_metrics["loss"]))
+      record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
+      writer.write(record)
+      problem = (guards.step_problem(record["step"], step_metrics["loss"],
+                                     step_metrics["grad_norm"])
+                 or guards.eval_problem(record["step"],
+                                        record.get("eval_loss", 0.0)))
+      if problem:
+        raise problem
+
+    def roll_back(error: guards.NonFiniteError, step: int):
+      """Restores the last good state; the data stream goes on from where it
+      is, so the batches of steps after that state are skipped."""
+      nonlocal saved_step
+      rollbacks = progress.rollbacks
+      if config.nonfinite != "rollback":
+        raise error
+      if len(rollbacks) >= config.max_rollbacks:
+        raise guards.NonFiniteError(
+            f"{error} (after {len(rollbacks)} rollbacks, config.max_rollbacks)",
+            error.step) from error
+      checkpointer.wait()
+      restored = restore(compare_config=False)
+      to_step, meta, state = restored or (0, {}, initial_state())
+      kept_changes = progress.config_changes
+      new_progress = Progress.from_meta(meta, islands)
+      new_progress.config_changes = kept_changes
+      new_progress.rollbacks = rollbacks + [{
+          "step": error.step, "to_step": to_step,
+          "skipped_batches": step - to_step, "error": str(error)}]
+      writer.truncate(to_step)
+      saved_step = to_step
+      logging.warning("%s; rolled back to step %d, skipping the %d batches "
+                      "taken since (rollback %d of at most %d)", error, to_step,
+                      step - to_step, len(new_progress.rollbacks),
+                      config.max_rollbacks)
+      return to_step, state, new_progress
+
+    island_mean_loss = rank = None
+    data_state = batches.state()
+    writer.start_clock(progress.tokens_seen)
+    train_start = time.perf_counter()
+    pending = None  # the previous step's record, finished one step late
+    eval_loss = float("nan")
+    startup_s = None
+    step = start_step
+    while step < total_steps:
+      if signals.requested:
+        if pending is not None:
+          finish_record(*pending)
+        if step > start_step and saved_step != step:
+          save(step)
+        checkpointer.wait()
+        raise stops.StopRequested(signals.signal_name, step, saved=step > 0)
+      step += 1
+      try:
+        if next_batch is None:  # the prepared one was used before a rollback
+          next_batch = _place(batches.next_batch(), batch_shape.sharding)
+        state, step_metrics = inner_step(state, next_batch)
+        next_batch = None
+        if startup_s is None:  # launch to the first inner step's result
+          jax.block_until_ready(step_metrics)
+          startup_s = time.time() - launch_time
+          logging.info("first inner step done %.1fs after launch (compile "
+                       "%.1fs)", startup_s, compile_s)
+        data_state = batches.state()  # the position after the batch used
+        progress.island_round_steps += 1
+        progress.tokens_seen += islands * tokens_per_island_step
+        progress.ddp_comm_bytes += ddp_step_bytes
+        if mode == "ddp":
+          progress.comm_bytes += ddp_step_bytes
+          progress.fp32_comm_bytes += ddp_step_bytes
+        if step < total_steps:  # prepare the next batch while this step runs
+          next_batch = _place(batches.next_batch(), batch_shape.sharding)
+        if pending is not None:
+          finish_record(*pending)
+          pending = None
+        round_ended = _round_ends(step, inner_steps, total_steps)
+        if round_ended:
+          if evaluate_island_mean is not None:
+            # Before the outer step resets them, the islands' plain average.
+            island_mean_loss = _mean_loss(evaluate_island_mean, state,
+                                          eval_arrays)
+          if outer_step is not None:
+            # Islands are weighted by the tokens they processed this round.
+            weights = (progress.island_round_steps * tokens_per_island_step
+                       * island_shares)
+            rank_indices = _rank_indices(state)
+            round_bytes = sync_bytes(rank_indices)
+            rank = _mean_rank(compression, rank_indices)
+            state = outer_step(state, _place(weights.astype(np.float32),
+                                             weights_shape.sharding))
+            progress.comm_bytes += round_bytes
+            progress.fp32_comm_bytes += ddp_step_bytes
+          progress.rounds_done += 1
+          progress.island_round_steps[:] = 0
+        record = {
+            "step": step, "round": math.ceil(step / inner_steps),
+            "learning_rate": float(learning_rates[step - 1]),
+            "tokens_seen": progress.tokens_seen,
+            "comm_bytes": progress.comm_bytes,
+            "ddp_comm_bytes": progress.ddp_comm_bytes,
+            "compression_vs_ddp": _ratio(progress.ddp_comm_bytes,
+                                         progress.comm_bytes),
+        }
+        pending = (record, step_metrics)
+        if round_ended:
+          eval_loss = _mean_loss(evaluate, state, eval_arrays)
+          record.update(_eval_record(eval_loss, byte_level))
+          if evaluate_island_mean is not None:
+            record["eval_loss_island_mean"] = island_mean_loss
+          if outer_step is not None and rank is not None:
+            record["codec_mean_rank"] = rank
+        checkpoint_due = _checkpoint_due(step, round_ended,
+                                         progress.rounds_done, total_steps,
+                                         config.checkpoint)
+        if round_ended or checkpoint_due:  # its record goes out first
+          pending = None
+          finish_record(record, step_metrics)
+        if checkpoint_due:
+          save(step)
+      except guards.NonFiniteError as error:
         pending = None
-      save(step)
-  if pending is not None:
-    writer.write(finish_record(*pending))
-  if math.isnan(eval_loss):  # resumed from the final checkpoint
-    eval_loss = _mean_loss(evaluate, state, eval_arrays)
-  jax.block_until_ready(state)
-  train_s = time.perf_counter() - train_start
-  checkpointer.close()
-  writer.close()
+        step, state, progress = roll_back(error, step)
+        eval_loss = float("nan")
+    if pending is not None:
+      finish_record(*pending)
+    if math.isnan(eval_loss):  # resumed from the final checkpoint
+      eval_loss = _mean_loss(evaluate, state, eval_arrays)
+    jax.block_until_ready(state)
+    train_s = time.perf_counter() - train_start
+    checkpointer.close()
+    writer.close()
+  except BaseException:
+    _close_after_error(checkpointer, writer)
+    raise
 
   summary = {
       "mode": mode,
       "islands": islands,
       "inner_steps": inner_steps,
       "total_steps": total_steps,
-      "rounds": rounds_done,
+      "rounds": progress.rounds_done,
       "corpus": config.data.corpus,
       "num_params": num_params,
-      "tokens_seen": tokens_seen,
-      "comm_bytes": comm_bytes,
-      "ddp_comm_bytes": ddp_comm_bytes,
+      "tokens_seen": progress.tokens_seen,
+      "comm_bytes": progress.comm_bytes,
+      "ddp_comm_bytes": progress.ddp_comm_bytes,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
       # What the codec saved on the syncs, and what it saved against DDP.
-      "compression_vs_fp32": _ratio(fp32_comm_bytes, comm_bytes),
-      "compression_vs_ddp": _ratio(ddp_comm_bytes, comm_bytes),
+      "compression_vs_fp32": _ratio(progress.fp32_comm_bytes,
+                                    progress.comm_bytes),
+      "compression_vs_ddp": _ratio(progress.ddp_comm_bytes,
+                                   progress.comm_bytes),
       "compile_s": compile_s,
       "startup_s": startup_s,
       "train_s": train_s,
       "wall_s": time.perf_counter() - wall_start,
       "resumed_from_step": start_step,
       "model_flops_per_token": flops_per_token,
+      # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
+      "config_changes": progress.config_changes,
+      "rollbacks": progress.rollbacks,
   }
-  summary.update(_throughput(tokens_seen - meta.get("tokens_seen", 0),
+  summary.update(_throughput(progress.tokens_seen - meta.get("tokens_seen", 0),
                              train_s, flops_per_token, mesh,
                              config.model.dtype))
   summary.update({"final_" + k: v
@@ -500,5 +663,5 @@ def train_and_evaluate(config, workdir: str, devices=None,
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",
-               eval_loss, summary["tokens_per_s"], comm_bytes / 1e6)
+               eval_loss, summary["tokens_per_s"], progress.comm_bytes / 1e6)
   return summary

@@ -7,7 +7,9 @@ untouched.
 
 from diloco_jax import codecs
 from diloco_jax import compression
+from diloco_jax import config_changes
 from diloco_jax import config_schema
+from diloco_jax import guards
 from diloco_jax import model as model_lib
 from diloco_jax.data import corpus as corpus_lib
 
@@ -95,6 +97,7 @@ def validate_config(config, num_devices: int) -> None:
   )
 
   _validate_compression(config)
+  _validate_safety(config)
   _require(
       not config.mesh.fsdp or config.diloco.codec in codecs.DENSE_CODECS,
       f"config.mesh.fsdp needs a dense codec {codecs.DENSE_CODECS}; "
@@ -144,6 +147,28 @@ def validate_config(config, num_devices: int) -> None:
       f"config.model.vocab_size={config.model.vocab_size} is smaller than the"
       f" corpus vocabulary ({corpus_vocab} for corpus "
       f"{config.data.corpus!r})",
+  )
+
+
+def _validate_safety(config) -> None:
+  """The non-finite policy and the fields a resume may change."""
+  _require(
+      config.nonfinite in guards.POLICIES,
+      f"config.nonfinite={config.nonfinite!r} is not one of "
+      f"{guards.POLICIES}",
+  )
+  _require(
+      isinstance(config.max_rollbacks, int) and config.max_rollbacks >= 0,
+      f"config.max_rollbacks={config.max_rollbacks!r} must be an integer "
+      ">= 0",
+  )
+  names = config_changes.parse_allowed(config.resume.allow_changes)
+  unknown = config_changes.unknown_fields(names, config.to_dict())
+  _require(
+      not unknown,
+      f"config.resume.allow_changes names {', '.join(map(repr, unknown))}, "
+      "which is not a config field (use dotted names such as "
+      "'total_steps,diloco.codec')",
   )
 
 

@@ -247,6 +247,8 @@ def test_toggling_error_feedback_is_an_incompatible_checkpoint(tmp_path):
   train.train_and_evaluate(config, str(tmp_path))
   config.total_steps = 8
   config.diloco.error_feedback = True
+  # Even when the config change is allowed, the state layout must match.
+  config.resume.allow_changes = "total_steps,diloco.error_feedback"
   with pytest.raises(checkpointing.IncompatibleCheckpointError,
                      match="residuals"):
     train.train_and_evaluate(config, str(tmp_path))

@@ -511,6 +511,8 @@ def test_changing_the_rank_range_is_an_incompatible_checkpoint(tmp_path):
   train.train_and_evaluate(config, str(tmp_path))
   config.total_steps = 6
   config.diloco.lowrank.max_rank = 8
+  # Even when the config change is allowed, the codec state must match.
+  config.resume.allow_changes = "total_steps,diloco.lowrank"
   with pytest.raises(checkpointing.IncompatibleCheckpointError,
                      match="codec_state"):
     train.train_and_evaluate(config, str(tmp_path))
