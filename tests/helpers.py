@@ -120,3 +120,14 @@ def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
     if outer_step is not None and step % inner_steps == 0:
       state = outer_step(state, weights)
   return state, np.array(losses), np.array(grad_norms)
+
+
+def with_overrides(config, overrides: dict):
+  """Sets `config`'s dotted fields, e.g. {'diloco.islands': 4}; returns it."""
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config

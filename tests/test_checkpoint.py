@@ -31,13 +31,7 @@ def _config(**overrides):
   config.diloco.inner_steps = 3
   config.checkpoint.every_steps = 2  # also mid-round checkpoints
   config.checkpoint.max_to_keep = 20
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return helpers.with_overrides(config, overrides)
 
 
 def _metrics(workdir):

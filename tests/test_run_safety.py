@@ -31,6 +31,7 @@ from diloco_jax import train
 from diloco_jax import validation
 from diloco_jax import workdir as workdir_lib
 from diloco_jax.data import errors as data_errors
+from tests import helpers
 from tests import test_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,14 +39,7 @@ ENV = {**os.environ, "PYTHONPATH": REPO}
 
 
 def _config(**overrides):
-  config = tiny.get_config()
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return helpers.with_overrides(tiny.get_config(), overrides)
 
 
 def _strict_metrics(workdir):

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from ml_collections import config_flags  # noqa: F401  (used by main)
 
 from diloco_jax import train
 from diloco_jax import validation
