@@ -275,6 +275,53 @@ def _throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
+def _summary(config, progress: Progress, *, num_params: int, start_step: int,
+             start_tokens: int, timings: dict, flops_per_token: float, mesh,
+             eval_loss: float, island_mean_loss: float | None,
+             entropy_rate: float | None) -> dict:
+  """The run's summary.json: what was trained, sent, measured and changed.
+
+  Throughput counts only the tokens of this process's steps (from
+  start_tokens), over timings['train_s'].
+  """
+  mode = config.mode
+  summary = {
+      "mode": mode,
+      "islands": progress.islands,
+      "inner_steps": config.diloco.inner_steps,
+      "total_steps": config.total_steps,
+      "rounds": progress.rounds_done,
+      "corpus": config.data.corpus,
+      "num_params": num_params,
+      "tokens_seen": progress.tokens_seen,
+      "comm_bytes": progress.comm_bytes,
+      "ddp_comm_bytes": progress.ddp_comm_bytes,
+      "codec": config.diloco.codec if mode == "diloco" else "fp32",
+      # What the codec saved on the syncs, and what it saved against DDP.
+      "compression_vs_fp32": _ratio(progress.fp32_comm_bytes,
+                                    progress.comm_bytes),
+      "compression_vs_ddp": _ratio(progress.ddp_comm_bytes,
+                                   progress.comm_bytes),
+      **timings,
+      "resumed_from_step": start_step,
+      "model_flops_per_token": flops_per_token,
+      # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
+      "config_changes": progress.config_changes,
+      "rollbacks": progress.rollbacks,
+  }
+  summary.update(_throughput(progress.tokens_seen - start_tokens,
+                             timings["train_s"], flops_per_token, mesh,
+                             config.model.dtype))
+  byte_level = config.data.tokenizer == "byte"
+  summary.update({"final_" + k: v
+                  for k, v in _eval_record(eval_loss, byte_level).items()})
+  if island_mean_loss is not None:
+    summary["final_eval_loss_island_mean"] = island_mean_loss
+  if entropy_rate is not None:
+    summary["corpus_entropy_rate"] = entropy_rate
+  return summary
+
+
 def _restore_data_positions(batches, meta: dict, islands: int) -> None:
   """Puts the data streams where the checkpoint left them, if they map."""
   if "data" not in meta:
@@ -624,42 +671,16 @@ def _train(config, workdir: str, devices, launch_time: float,
     _close_after_error(checkpointer, writer)
     raise
 
-  summary = {
-      "mode": mode,
-      "islands": islands,
-      "inner_steps": inner_steps,
-      "total_steps": total_steps,
-      "rounds": progress.rounds_done,
-      "corpus": config.data.corpus,
-      "num_params": num_params,
-      "tokens_seen": progress.tokens_seen,
-      "comm_bytes": progress.comm_bytes,
-      "ddp_comm_bytes": progress.ddp_comm_bytes,
-      "codec": config.diloco.codec if mode == "diloco" else "fp32",
-      # What the codec saved on the syncs, and what it saved against DDP.
-      "compression_vs_fp32": _ratio(progress.fp32_comm_bytes,
-                                    progress.comm_bytes),
-      "compression_vs_ddp": _ratio(progress.ddp_comm_bytes,
-                                   progress.comm_bytes),
-      "compile_s": compile_s,
-      "startup_s": startup_s,
-      "train_s": train_s,
-      "wall_s": time.perf_counter() - wall_start,
-      "resumed_from_step": start_step,
-      "model_flops_per_token": flops_per_token,
-      # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
-      "config_changes": progress.config_changes,
-      "rollbacks": progress.rollbacks,
-  }
-  summary.update(_throughput(progress.tokens_seen - meta.get("tokens_seen", 0),
-                             train_s, flops_per_token, mesh,
-                             config.model.dtype))
-  summary.update({"final_" + k: v
-                  for k, v in _eval_record(eval_loss, byte_level).items()})
-  if evaluate_island_mean is not None and island_mean_loss is not None:
-    summary["final_eval_loss_island_mean"] = island_mean_loss
-  if batches.info.entropy_rate is not None:
-    summary["corpus_entropy_rate"] = batches.info.entropy_rate
+  summary = _summary(
+      config, progress, num_params=num_params, start_step=start_step,
+      start_tokens=meta.get("tokens_seen", 0),
+      timings={"compile_s": compile_s, "startup_s": startup_s,
+               "train_s": train_s,
+               "wall_s": time.perf_counter() - wall_start},
+      flops_per_token=flops_per_token, mesh=mesh, eval_loss=eval_loss,
+      island_mean_loss=(island_mean_loss if evaluate_island_mean is not None
+                        else None),
+      entropy_rate=batches.info.entropy_rate)
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",
