@@ -6,7 +6,8 @@ optimizers, the codec, the data, the mode, the seed, the model, the eval
 set) would continue a different experiment under the old run's name, so it
 is refused, listing each changed field with both values, unless the field
 is named in `config.resume.allow_changes` (comma-separated dotted names; a
-section name such as `data` allows all its fields). Allowed changes are
+section name such as `data` allows all its fields). The mode can never
+change in place. Allowed changes are
 recorded in the checkpoints that follow and in summary.json.
 
 Fields that only say where or how the same computation runs (device
@@ -14,6 +15,11 @@ placement, attention kernel, remat, microbatching) or how the run is kept
 (checkpointing, logging, the non-finite policy) may change freely, as may
 the island count, which resume adapts to (elastic islands).
 """
+
+# A checkpoint of another mode cannot continue in place: ddp and single
+# never update the global params, so a diloco run resumed from one would
+# silently restart from the random initialization.
+NEVER_ALLOWED = ("mode",)
 
 FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
                "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
@@ -64,9 +70,11 @@ def changes(saved: dict, current: dict) -> list[dict]:
 
 
 def refused(changed: list[dict], allow_changes: str) -> list[dict]:
-  """The changes not covered by config.resume.allow_changes."""
+  """The changes not covered by config.resume.allow_changes, and any change
+  of NEVER_ALLOWED fields."""
   allowed = parse_allowed(allow_changes)
-  return [c for c in changed if not _covered(c["field"], allowed)]
+  return [c for c in changed if not _covered(c["field"], allowed)
+          or _covered(c["field"], NEVER_ALLOWED)]
 
 
 def describe(changed: list[dict]) -> str:

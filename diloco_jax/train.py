@@ -147,6 +147,13 @@ def _refuse_config_changes(where: str, meta: dict, config) -> None:
   refused = config_changes.refused(
       config_changes.changes(meta["config"], _config_record(config)),
       config.resume.allow_changes)
+  if any(c["field"] in config_changes.NEVER_ALLOWED for c in refused):
+    raise ConfigChangedError(
+        f"{where} was written by a {meta['config']['mode']!r} run; a "
+        f"checkpoint of another mode cannot be resumed as config.mode="
+        f"{config.mode!r} in place (ddp and single runs never update the "
+        "global params that every island would start from); use another "
+        "workdir")
   if refused:
     names = ",".join(c["field"] for c in refused)
     raise ConfigChangedError(

@@ -163,6 +163,11 @@ def _validate_safety(config) -> None:
       ">= 0",
   )
   names = config_changes.parse_allowed(config.resume.allow_changes)
+  _require(
+      not any(name in config_changes.NEVER_ALLOWED for name in names),
+      "config.resume.allow_changes cannot allow 'mode': a checkpoint of "
+      "another mode cannot be resumed in place",
+  )
   unknown = config_changes.unknown_fields(names, config.to_dict())
   _require(
       not unknown,

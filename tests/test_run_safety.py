@@ -393,6 +393,24 @@ def test_allowed_changes_continue_and_are_recorded(finished_8, tmp_path):
               ("total_steps", 8, 16, 8), ("diloco.codec", "fp32", "int8", 8)}
 
 
+@pytest.mark.parametrize("saved_mode, mode", [("single", "diloco"),
+                                               ("ddp", "diloco")])
+def test_a_checkpoint_of_another_mode_is_never_resumed_in_place(
+    tmp_path, saved_mode, mode):
+  workdir = str(tmp_path / saved_mode)
+  train.train_and_evaluate(_config(mode=saved_mode, total_steps=4), workdir)
+  os.remove(os.path.join(workdir, "summary.json"))
+  with pytest.raises(train.ConfigChangedError,
+                     match=rf"written by a '{saved_mode}' run; a checkpoint "
+                     rf"of another mode cannot be resumed as config.mode="
+                     rf"'{mode}' in place"):
+    train.train_and_evaluate(_config(mode=mode, total_steps=4), workdir)
+  with pytest.raises(validation.ConfigError, match=r"cannot allow 'mode'"):
+    train.train_and_evaluate(_config(**{"mode": mode, "total_steps": 4,
+                                        "resume.allow_changes": "mode"}),
+                             workdir)
+
+
 def test_placement_and_bookkeeping_fields_may_change_freely():
   saved = {"mesh": {"data": 1}, "checkpoint": {"every_steps": 0},
            "diloco": {"islands": 2, "codec": "fp32"}, "seed": 0,
