@@ -70,11 +70,10 @@ def changes(saved: dict, current: dict) -> list[dict]:
 
 
 def refused(changed: list[dict], allow_changes: str) -> list[dict]:
-  """The changes not covered by config.resume.allow_changes, and any change
-  of NEVER_ALLOWED fields."""
+  """The changes not covered by config.resume.allow_changes (which
+  validation keeps from naming NEVER_ALLOWED fields)."""
   allowed = parse_allowed(allow_changes)
-  return [c for c in changed if not _covered(c["field"], allowed)
-          or _covered(c["field"], NEVER_ALLOWED)]
+  return [c for c in changed if not _covered(c["field"], allowed)]
 
 
 def describe(changed: list[dict]) -> str:

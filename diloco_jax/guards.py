@@ -63,10 +63,3 @@ def state_problem(step: int, nonfinite_leaves: list[str]
   return NonFiniteError(
       f"step {step}: the state holds NaN or inf in {nonfinite_leaves[0]}"
       f"{more}; it was not saved", step)
-
-
-def finite_or_none(value):
-  """JSON has no NaN or inf: such floats are written as null."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value

@@ -46,9 +46,6 @@ from diloco_jax import validation
 from diloco_jax import workdir as workdir_lib
 from diloco_jax.data import sources
 
-WorkdirError = workdir_lib.WorkdirError
-
-
 class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
   """Resuming under a config that changes the run's meaning, not allowed."""
 
@@ -443,6 +440,7 @@ def _train(config, workdir: str, devices, launch_time: float,
   checkpointer = checkpointing.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
       async_save=config.checkpoint.async_save)
+  config_record = _config_record(config)  # saved with every checkpoint
   restore = functools.partial(_restore, checkpointer, config, abstract_state,
                               mesh, inner_opt, islands)
   writer = None
@@ -465,7 +463,7 @@ def _train(config, workdir: str, devices, launch_time: float,
         return json.load(f)
     progress = Progress.from_meta(meta, islands)
     if restored is not None and "config" in meta:
-      changed = config_changes.changes(meta["config"], _config_record(config))
+      changed = config_changes.changes(meta["config"], config_record)
       if changed:
         logging.warning("resuming with config changes allowed by "
                         "config.resume.allow_changes: %s",
@@ -496,7 +494,7 @@ def _train(config, workdir: str, devices, launch_time: float,
                                                     total_steps)
     if jax.process_index() == 0:
       metrics_lib.write_json_atomically(os.path.join(workdir, "config.json"),
-                                        _config_record(config))
+                                        config_record)
     writer = metrics_lib.MetricsWriter(workdir, total_steps,
                                        config.log_every_seconds)
 
@@ -533,7 +531,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       checkpointer.save(step, state, {
           **progress.to_meta(), "step": step, "data": data_state,
           "param_shapes": param_shapes_record, "state_layout": state_layout,
-          "config": _config_record(config),
+          "config": config_record,
       }, programs.inspect_state)
       saved_step = step
 

@@ -103,24 +103,26 @@ def _read_problem(error: Exception) -> str:
 
 
 def _numbered_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
-  """Yields (line number from 1, line) of a shard.
+  """Yields (line number from 0, line) of a shard.
 
   gzip and I/O failures (a truncated or corrupt .gz, a file that is no gzip
   at all) surface as DataError naming the file and the line being read, not
   as a bare EOFError that names neither.
   """
-  line_number = 0
+  line_number = -1
   try:
     with _open_text(path) as lines:
-      for line_number, line in enumerate(lines, start=1):
+      for line_number, line in enumerate(lines):
         yield line_number, line
   except (EOFError, OSError, zlib.error) as error:
+    # The line after the last one read, counted from 1 as editors do.
     raise errors.DataError(f"{path}: {_read_problem(error)} "
-                           f"(line {line_number + 1})") from error
+                           f"(line {line_number + 2})") from error
 
 
 def _document_text(path: pathlib.Path, line_number: int, line: str) -> str:
-  """The "text" field of one JSON line; DataError naming path:line if none."""
+  """The "text" field of one JSON line; DataError naming path:line (counted
+  from 1) if none."""
   try:
     text = json.loads(line)["text"]
   except (json.JSONDecodeError, KeyError, TypeError) as error:
@@ -142,11 +144,11 @@ def read_texts(path: pathlib.Path, start_line: int = 0
   DataError naming the file and line.
   """
   for line_number, line in _numbered_lines(path):
-    if line_number <= start_line or not line.strip():
+    if line_number < start_line or not line.strip():
       continue
-    text = _document_text(path, line_number, line)
+    text = _document_text(path, line_number + 1, line)
     if text:
-      yield line_number - 1, text
+      yield line_number, text
 
 
 class ShardFiles:

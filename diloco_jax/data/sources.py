@@ -205,10 +205,11 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
 def _read_first_batch(source: BatchSource) -> None:
   """Reads one batch and rewinds to the start.
 
-  Shards are read lazily, and the loop's first batch comes after compilation
-  (minutes for a large model): a shard that is not gzip, not JSON lines or
-  has no "text" field should fail now, in one line naming the file. Costs
-  one batch of reading; the rewind re-reads it from the same position.
+  Shards are read lazily, and the training loop takes its first batch only
+  after the checkpoint is restored and compilation has started: a shard
+  that is not gzip, not JSON lines or has no "text" field should fail now,
+  before any compile, in one line naming the file. Costs one batch of
+  reading; the rewind re-reads it from the same position.
   """
   start = source.state()
   source.next_batch()
