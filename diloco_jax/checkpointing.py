@@ -85,17 +85,22 @@ class Checkpointer:
   """Saves and restores the run's state under `workdir/checkpoints`."""
 
   def __init__(self, workdir: str, max_to_keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
+    """Opens workdir/checkpoints; `read_only` (another run's checkpoints)
+    creates, removes and moves nothing there."""
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._read_only = read_only
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
             # A process killed mid-save leaves a temporary directory behind;
             # the next start removes it (the finalized steps are untouched).
-            cleanup_tmp_directories=True,
-            create=True),
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only),
         item_names=(STATE, META),
     )
 
@@ -193,7 +198,7 @@ class Checkpointer:
 
     The run will write those steps again; orbax refuses to overwrite them.
     """
-    if not steps:
+    if not steps or self._read_only:
       return
     aside = self.directory + ".unreadable"
     os.makedirs(aside, exist_ok=True)

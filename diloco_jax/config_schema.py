@@ -19,6 +19,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.mode = "diloco"  # 'diloco' | 'ddp' | 'single'
   c.seed = 0
   c.total_steps = 200  # inner steps per island (optimizer steps for ddp/single)
+  # The DiLoCo paper's protocol: the first pretrain_steps steps (counted in
+  # total_steps) train one worker with the per-island batch, in
+  # workdir/pretrain; then the configured mode starts every island and the
+  # global params from that model (its inner optimizer state too).
+  c.pretrain_steps = 0
+  # Start from another run's checkpoint: its workdir (newest checkpoint) or
+  # WORKDIR/checkpoints/STEP. Its model becomes x and every island's params;
+  # its inner optimizer state is carried where shapes match; the run goes on
+  # from that step to total_steps. Only for a run's first start.
+  c.init_from = ""
 
   c.diloco = ml_collections.ConfigDict()
   c.diloco.islands = 4  # k; ddp uses them as data-parallel workers
@@ -60,6 +70,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.inner_optimizer.learning_rate = 4e-4  # peak
   c.inner_optimizer.warmup_steps = 20
   c.inner_optimizer.final_learning_rate_fraction = 0.1  # cosine floor
+  # Steps the warmup + cosine schedule spans (0: total_steps).
+  c.inner_optimizer.schedule_steps = 0
   c.inner_optimizer.weight_decay = 0.1
   c.inner_optimizer.b1 = 0.9
   c.inner_optimizer.b2 = 0.95
@@ -145,3 +157,25 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.log_every_seconds = 5.0
   return c
+
+
+def from_record(record: dict) -> ml_collections.ConfigDict:
+  """The config a saved record describes (a checkpoint's, config.json).
+
+  Starts from base_config(), so fields newer than the record keep their
+  defaults; fields the schema no longer has are ignored.
+  """
+  config = base_config()
+
+  def merge(node, values):
+    for key, value in values.items():
+      if key not in node:
+        continue
+      if isinstance(value, dict):
+        merge(node[key], value)
+      else:
+        node[key] = type(node[key])(value) if isinstance(
+            node[key], float) and isinstance(value, int) else value
+
+  merge(config, record)
+  return config

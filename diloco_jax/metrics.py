@@ -132,6 +132,34 @@ class MetricsWriter:
       self._jsonl = self._tensorboard = None
 
 
+def read_metrics(workdir: str) -> list[dict]:
+  """The records of workdir/metrics.jsonl (none when it does not exist);
+  a torn last line (a run killed mid-write) is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def write_metrics(workdir: str, records: list[dict]) -> None:
+  """Replaces workdir/metrics.jsonl with `records`, atomically."""
+  if not _is_writer():
+    return
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path + ".tmp", "w") as f:
+    for record in records:
+      f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False)
+              + "\n")
+  os.replace(path + ".tmp", path)
+
+
 def truncate_metrics(workdir: str, last_step: int) -> int:
   """Drops metrics.jsonl records after `last_step`, for a resumed run.
 

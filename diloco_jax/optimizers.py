@@ -16,9 +16,18 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def schedule_length(inner_config, total_steps: int) -> int:
+  """The steps the learning rate schedule spans: schedule_steps, or
+  total_steps when that is 0 (a run stopped early on a longer run's
+  schedule sets it, e.g. the pretraining phase of config.pretrain_steps)."""
+  return inner_config.get("schedule_steps", 0) or total_steps
+
+
 def inner_learning_rate(inner_config, total_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to a floor at total_steps."""
+  """Linear warmup to the peak, then cosine decay to a floor at the end of
+  the schedule (schedule_length), held after it."""
   peak = inner_config.learning_rate
+  total_steps = schedule_length(inner_config, total_steps)
   warmup = min(inner_config.warmup_steps, max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,

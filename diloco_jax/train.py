@@ -41,8 +41,10 @@ from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optimizers
 from diloco_jax import programs as programs_lib
+from diloco_jax import state_spec as state_spec_lib
 from diloco_jax import stops
 from diloco_jax import validation
+from diloco_jax import warm_start
 from diloco_jax import workdir as workdir_lib
 from diloco_jax.data import sources
 
@@ -66,6 +68,7 @@ class Progress:
   island_round_steps: np.ndarray = None  # steps since each island's last sync
   config_changes: list = dataclasses.field(default_factory=list)
   rollbacks: list = dataclasses.field(default_factory=list)
+  initialized_from: dict | None = None  # warm_start.WarmStart.record
 
   def __post_init__(self):
     steps = np.zeros(self.islands, np.int64)
@@ -312,6 +315,9 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
       # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
       "config_changes": progress.config_changes,
       "rollbacks": progress.rollbacks,
+      # The model the run started from (init_from, pretrain_steps) or None.
+      "pretrain_steps": config.pretrain_steps,
+      "initialized_from": progress.initialized_from,
   }
   summary.update(_throughput(progress.tokens_seen - start_tokens,
                              timings["train_s"], flops_per_token, mesh,
@@ -368,14 +374,54 @@ def train_and_evaluate(config, workdir: str, devices=None,
   launch_time = time.time() if launch_time is None else launch_time
   devices = jax.devices() if devices is None else list(devices)
   validation.validate_config(config, num_devices=len(devices))
+  source = (warm_start.parse_source(config.init_from) if config.init_from
+            else None)
+  if source is not None and source.workdir == os.path.abspath(workdir):
+    raise validation.ConfigError(
+        f"config.init_from={config.init_from!r} is this run's own workdir; "
+        "rerunning the command resumes it without init_from")
+  if source is not None and not warm_start.has_checkpoints(workdir):
+    warm_start.check(source, config)
   workdir, lock = workdir_lib.claim(workdir,
                                     lock=jax.process_index() == 0)
   try:
     with stops.StopSignals() as signals:
-      return _train(config, workdir, devices, launch_time, signals)
+      if config.pretrain_steps:
+        source, launch_time = _pretrain(config, workdir, devices,
+                                        launch_time)
+      return _train(config, workdir, devices, launch_time, signals, source)
   finally:
     if lock is not None:
       lock.release()
+
+
+def _pretrain(config, workdir: str, devices, launch_time: float):
+  """Runs (or resumes) the pretraining phase unless the main phase began.
+
+  Returns:
+    (the Source the main phase starts from, the main phase's launch time).
+  """
+  pretrain_dir = warm_start.pretrain_workdir(workdir)
+  if warm_start.has_checkpoints(workdir):  # the main phase began
+    return warm_start.Source(pretrain_dir), launch_time
+  logging.info("pretraining: steps 1..%d as one worker in %s",
+               config.pretrain_steps, pretrain_dir)
+  summary = train_and_evaluate(warm_start.pretrain_config(config),
+                               pretrain_dir, devices, launch_time)
+  logging.info("pretrained: eval loss %.4f at step %d; %s starts from it",
+               summary["final_eval_loss"], config.pretrain_steps,
+               config.mode)
+  _mark_pretrain_metrics(pretrain_dir, workdir)
+  return warm_start.Source(pretrain_dir), time.time()
+
+
+def _mark_pretrain_metrics(pretrain_dir: str, workdir: str) -> None:
+  """Starts workdir/metrics.jsonl with the pretraining records, marked
+  phase 'pretrain', so one file holds the whole run (the main phase has
+  not checkpointed, so whatever it logged is taken again)."""
+  records = [{**record, "phase": "pretrain"}
+             for record in metrics_lib.read_metrics(pretrain_dir)]
+  metrics_lib.write_metrics(workdir, records)
 
 
 def _close_after_error(checkpointer, writer) -> None:
@@ -393,8 +439,10 @@ def _close_after_error(checkpointer, writer) -> None:
 
 
 def _train(config, workdir: str, devices, launch_time: float,
-           signals: stops.StopSignals) -> dict:
-  """train_and_evaluate's body, in a locked workdir with signals caught."""
+           signals: stops.StopSignals,
+           source: warm_start.Source | None) -> dict:
+  """train_and_evaluate's body, in a locked workdir with signals caught;
+  a first start begins from `source`'s model when given."""
   wall_start = time.perf_counter()
   mode = config.mode
   islands = validation.effective_islands(config)
@@ -420,22 +468,28 @@ def _train(config, workdir: str, devices, launch_time: float,
   fsdp = config.mesh.fsdp
   loss_fn = functools.partial(model_lib.next_token_loss,
                               model_lib.graphdef(config.model))
-  inner_opt = optimizers.inner_optimizer(config.inner_optimizer, total_steps)
-  outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-  compression = compression_lib.from_config(config.diloco)
-  error_feedback = mode == "diloco" and config.diloco.error_feedback
-  init = lambda p: diloco.init_state(
-      p, inner_opt, outer_opt, islands, error_feedback,
-      compression if mode == "diloco" else None, seed=config.seed)
-  abstract_state = jax.eval_shape(init, model_lib.param_shapes(config.model))
+  spec = state_spec_lib.for_config(config)
+  inner_opt, outer_opt = spec.inner_opt, spec.outer_opt
+  compression = spec.compression
+  abstract_state = spec.abstract(config.model)
   state_shardings = diloco.state_shardings(abstract_state, mesh, fsdp)
 
-  def initial_state():
-    # Params are created on their devices, already sharded.
-    with model_lib.fast_init_compile():
-      return jax.jit(lambda seed: init(model_lib.new_params(config.model,
-                                                           seed)),
-                     out_shardings=state_shardings)(config.seed)
+  def first_state():
+    """(step, source meta, state, progress) of a run's first start: fresh
+    params, or `source`'s model (also where a rollback finds no checkpoint)."""
+    if source is None:
+      # Params are created on their devices, already sharded.
+      with model_lib.fast_init_compile():
+        state = jax.jit(lambda seed: spec.init(
+            model_lib.new_params(config.model, seed)),
+                        out_shardings=state_shardings)(config.seed)
+      return 0, {}, state, Progress(islands)
+    start = warm_start.load(source, spec, config, mesh, state_shardings)
+    meta = start.meta
+    progress = Progress(islands, rounds_done=meta.get("rounds_done", 0),
+                        tokens_seen=meta.get("tokens_seen", 0),
+                        initialized_from=start.record(source))
+    return start.step, meta, start.state, progress
 
   checkpointer = checkpointing.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
@@ -446,8 +500,10 @@ def _train(config, workdir: str, devices, launch_time: float,
   writer = None
   try:
     restored = restore()
-    start_step, meta = 0, {}
-    if restored is not None:
+    if restored is None:
+      # A warm start is read (and refused) before anything compiles.
+      start_step, meta, state, progress = first_state()
+    else:
       start_step, meta, state = restored
       if start_step > total_steps:
         raise validation.ConfigError(
@@ -461,7 +517,8 @@ def _train(config, workdir: str, devices, launch_time: float,
       checkpointer.close()
       with open(summary_path) as f:
         return json.load(f)
-    progress = Progress.from_meta(meta, islands)
+    if restored is not None:
+      progress = Progress.from_meta(meta, islands)
     if restored is not None and "config" in meta:
       changed = config_changes.changes(meta["config"], config_record)
       if changed:
@@ -478,10 +535,8 @@ def _train(config, workdir: str, devices, launch_time: float,
         config, mesh, loss_fn, inner_opt, outer_opt, compression,
         _with_shardings(abstract_state, state_shardings), batch_shape,
         eval_shape, weights_shape)
-    if restored is None:
-      state = initial_state()
     jax.block_until_ready(state)
-    logging.info("state %s in %.1fs", "restored" if start_step else "initialized",
+    logging.info("state %s in %.1fs", "restored" if restored else "initialized",
                  time.perf_counter() - phase_start)
     dropped = metrics_lib.truncate_metrics(workdir, start_step)
     if dropped:
@@ -523,7 +578,8 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     param_shapes_record = checkpointing.param_shapes_record(param_shapes)
     state_layout = checkpointing.state_layout_record(abstract_state)
-    saved_step = start_step  # the newest step a checkpoint holds
+    # The newest step this run's checkpoints hold (None: none yet).
+    saved_step = start_step if restored else None
 
     def save(step: int) -> None:
       nonlocal saved_step
@@ -562,15 +618,18 @@ def _train(config, workdir: str, devices, launch_time: float,
             error.step) from error
       checkpointer.wait()
       restored = restore(compare_config=False)
-      to_step, meta, state = restored or (0, {}, initial_state())
+      if restored is None:
+        to_step, _, state, new_progress = first_state()
+      else:
+        to_step, meta, state = restored
+        new_progress = Progress.from_meta(meta, islands)
       kept_changes = progress.config_changes
-      new_progress = Progress.from_meta(meta, islands)
       new_progress.config_changes = kept_changes
       new_progress.rollbacks = rollbacks + [{
           "step": error.step, "to_step": to_step,
           "skipped_batches": step - to_step, "error": str(error)}]
       writer.truncate(to_step)
-      saved_step = to_step
+      saved_step = to_step if restored else None
       logging.warning("%s; rolled back to step %d, skipping the %d batches "
                       "taken since (rollback %d of at most %d)", error, to_step,
                       step - to_step, len(new_progress.rollbacks),
@@ -579,6 +638,7 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     island_mean_loss = rank = None
     data_state = batches.state()
+    start_tokens = progress.tokens_seen  # what this process trains from here
     writer.start_clock(progress.tokens_seen)
     train_start = time.perf_counter()
     pending = None  # the previous step's record, finished one step late
@@ -592,7 +652,8 @@ def _train(config, workdir: str, devices, launch_time: float,
         if step > start_step and saved_step != step:
           save(step)
         checkpointer.wait()
-        raise stops.StopRequested(signals.signal_name, step, saved=step > 0)
+        raise stops.StopRequested(signals.signal_name, step,
+                                  saved=saved_step == step)
       step += 1
       try:
         if next_batch is None:  # the prepared one was used before a rollback
@@ -644,6 +705,8 @@ def _train(config, workdir: str, devices, launch_time: float,
             "compression_vs_ddp": _ratio(progress.ddp_comm_bytes,
                                          progress.comm_bytes),
         }
+        if config.pretrain_steps:  # the pretraining records say 'pretrain'
+          record["phase"] = mode
         pending = (record, step_metrics)
         if round_ended:
           eval_loss = _mean_loss(evaluate, state, eval_arrays)
@@ -678,7 +741,7 @@ def _train(config, workdir: str, devices, launch_time: float,
 
   summary = _summary(
       config, progress, num_params=num_params, start_step=start_step,
-      start_tokens=meta.get("tokens_seen", 0),
+      start_tokens=start_tokens,
       timings={"compile_s": compile_s, "startup_s": startup_s,
                "train_s": train_s,
                "wall_s": time.perf_counter() - wall_start},

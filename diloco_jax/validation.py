@@ -98,6 +98,7 @@ def validate_config(config, num_devices: int) -> None:
 
   _validate_compression(config)
   _validate_safety(config)
+  _validate_start(config)
   _require(
       not config.mesh.fsdp or config.diloco.codec in codecs.DENSE_CODECS,
       f"config.mesh.fsdp needs a dense codec {codecs.DENSE_CODECS}; "
@@ -175,6 +176,27 @@ def _validate_safety(config) -> None:
       "which is not a config field (use dotted names such as "
       "'total_steps,diloco.codec')",
   )
+
+
+def _validate_start(config) -> None:
+  """pretrain_steps, init_from and the schedule's length."""
+  pretrain = config.pretrain_steps
+  _require(
+      isinstance(pretrain, int) and not isinstance(pretrain, bool)
+      and 0 <= pretrain < config.total_steps,
+      f"config.pretrain_steps={pretrain!r} must be an integer in [0, "
+      f"config.total_steps={config.total_steps}) (total_steps counts both "
+      "phases)")
+  _require(
+      not (pretrain and config.init_from),
+      "config.pretrain_steps and config.init_from both choose the starting "
+      "model; set one")
+  schedule_steps = config.inner_optimizer.schedule_steps
+  _require(
+      isinstance(schedule_steps, int) and not isinstance(schedule_steps, bool)
+      and schedule_steps >= 0,
+      f"config.inner_optimizer.schedule_steps={schedule_steps!r} must be an "
+      "integer >= 0 (0: total_steps)")
 
 
 def _validate_attention(model_config) -> None:

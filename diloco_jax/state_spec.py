@@ -1,0 +1,67 @@
+"""What a config's TrainState is made of, and how to build it.
+
+The training loop builds the state it runs; starting from another run's
+checkpoint (warm_start.py) rebuilds that run's state from its saved config
+to read it back. Both go through `StateSpec`, so the two can never disagree
+on the optimizers, codec or island count a config implies.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+from diloco_jax import compression as compression_lib
+from diloco_jax import diloco
+from diloco_jax import model as model_lib
+from diloco_jax import optimizers
+from diloco_jax import validation
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """A config's optimizers, codec and island count.
+
+  Attributes:
+    mode: config.mode.
+    islands: the logical islands the state stacks.
+    inner_opt: the islands' optimizer (its schedule spans the config's).
+    outer_opt: the optimizer of the global params.
+    compression: the codec settings (None outside 'diloco').
+    error_feedback: whether the state keeps per-island residuals.
+    seed: seeds the params and the codec state.
+  """
+  mode: str
+  islands: int
+  inner_opt: optax.GradientTransformation
+  outer_opt: optax.GradientTransformation
+  compression: Any
+  error_feedback: bool
+  seed: int
+
+  def init(self, params) -> diloco.TrainState:
+    """The state with every island and x at `params` (traceable)."""
+    return diloco.init_state(params, self.inner_opt, self.outer_opt,
+                             self.islands, self.error_feedback,
+                             self.compression, seed=self.seed)
+
+  def abstract(self, model_config) -> diloco.TrainState:
+    """The state's shapes and dtypes, computing nothing."""
+    return jax.eval_shape(self.init, model_lib.param_shapes(model_config))
+
+
+def for_config(config, islands: int | None = None) -> StateSpec:
+  """The StateSpec of `config` (islands: the config's effective count)."""
+  mode = config.mode
+  return StateSpec(
+      mode=mode,
+      islands=(validation.effective_islands(config) if islands is None
+               else islands),
+      inner_opt=optimizers.inner_optimizer(config.inner_optimizer,
+                                           config.total_steps),
+      outer_opt=optimizers.outer_optimizer(config.diloco.outer_optimizer),
+      compression=(compression_lib.from_config(config.diloco)
+                   if mode == "diloco" else None),
+      error_feedback=mode == "diloco" and config.diloco.error_feedback,
+      seed=config.seed)
