@@ -25,5 +25,10 @@ setuptools.setup(
         "tensorflow-datasets>=4.9.10",
         "importlib_resources",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        # experiments/ plots; the tests also run the colabs/ notebooks.
+        "experiments": ["matplotlib>=3.8"],
+        "test": ["pytest>=8", "matplotlib>=3.8", "nbclient>=0.10",
+                 "nbformat>=5.10", "ipykernel>=6.29"],
+    },
 )

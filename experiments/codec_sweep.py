@@ -1,6 +1,6 @@
 r"""Trains the default config once per codec and prints what each one costs.
 
-  python experiments/codec_sweep.py [--runs=runs] [--only=int8,topk_ef]
+  python -m experiments.codec_sweep [--runs=runs] [--only=int8,topk_ef]
 
 Each variant is a normal training run (`python -m diloco_jax.main`) in
 RUNS/codec_<variant>; a finished run is not repeated (rerunning its command

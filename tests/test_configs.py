@@ -10,9 +10,11 @@ from diloco_jax import validation
 NUM_DEVICES = 8  # conftest forces 8 CPU devices
 
 
-@pytest.mark.parametrize("name", ["default", "tiny"])
+@pytest.mark.parametrize("name", ["default", "tiny", "study", "study:quick"])
 def test_runnable_configs_validate(name):
-  config = importlib.import_module(f"configs.{name}").get_config()
+  module, _, arg = name.partition(":")
+  config = importlib.import_module(f"configs.{module}").get_config(
+      *([arg] if arg else []))
   validation.validate_config(config, num_devices=NUM_DEVICES)
 
 

@@ -1,0 +1,48 @@
+r"""Every codec: final eval loss against the bytes an island sends.
+
+  python -m experiments.codecs [--seeds=3] [--quick]
+
+DiLoCo with 4 islands after the shared pretraining, once per codec; DDP (the
+gradients of every step all-reduced in fp32) is the point at the far right.
+The papers: fp16 (OpenDiLoCo) and int8 (INTELLECT-1) pseudo-gradients lose
+nothing; Streaming DiLoCo sends 4-bit floats; DiLoCoX compresses further
+with low rank plus quantization.
+"""
+
+from experiments import study_lib
+
+_EF = {"diloco.error_feedback": True}
+_CODECS = {
+    "fp32": {},
+    "bf16": {"diloco.codec": "bf16"},
+    "fp16": {"diloco.codec": "fp16"},
+    "int8": {"diloco.codec": "int8"},
+    "int4": {"diloco.codec": "int4"},
+    "int4_ef": {"diloco.codec": "int4", **_EF},
+    "sign_prune_50%": {"diloco.codec": "sign_prune",
+                       "diloco.fallback_codec": "int8"},
+    "topk1%_ef": {"diloco.codec": "topk", "diloco.fallback_codec": "int8",
+                  **_EF},
+    "lowrank4_ef": {"diloco.codec": "lowrank",
+                    "diloco.fallback_codec": "int8", **_EF},
+    "adaptive_lowrank_ef": {"diloco.codec": "adaptive_lowrank",
+                            "diloco.lowrank.min_rank": 4,
+                            "diloco.lowrank.max_rank": 32, **_EF},
+}
+
+STUDY = study_lib.Study(
+    name="codecs",
+    title="Codecs: eval loss against bytes sent",
+    claim=("OpenDiLoCo: fp16 all-reduce loses nothing; INTELLECT-1: int8 "
+           "loses nothing at 4x less; Streaming DiLoCo: 4-bit outer "
+           "gradients; DiLoCoX: low rank + quantization."),
+    points=tuple(study_lib.Point(name, overrides)
+                 for name, overrides in _CODECS.items())
+    + (study_lib.Point("ddp", {"mode": "ddp"}),),
+    reference="fp32",
+    plot=study_lib.pareto_plot,
+    quick_points=("fp32", "int8", "ddp"),
+)
+
+if __name__ == "__main__":
+  study_lib.main(STUDY)

@@ -1,0 +1,76 @@
+"""Each study in experiments/ runs end to end in its --quick setting."""
+
+import json
+import os
+
+import pytest
+
+from experiments import codecs
+from experiments import h_sweep
+from experiments import iid_vs_noniid
+from experiments import k_sweep
+from experiments import outer_optimizers
+from experiments import outer_vs_island_mean
+from experiments import sign_pruning
+from experiments import study_lib
+from experiments import table2
+
+STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
+           sign_pruning, codecs, outer_vs_island_mean)
+
+
+@pytest.mark.parametrize("module", STUDIES, ids=lambda m: m.STUDY.name)
+def test_each_study_runs_quick_and_writes_json_png_and_table(module,
+                                                             tmp_path):
+  study = module.STUDY
+  seeds = list(range(study_lib.QUICK_SEEDS))
+  out = tmp_path / "out"
+  results = study_lib.run_study(study, str(tmp_path / "runs"), seeds,
+                                quick=True, out_dir=str(out))
+  with open(out / f"{study.name}.json") as f:
+    assert json.load(f) == json.loads(json.dumps(results))
+  with open(out / f"{study.name}.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  table = (out / f"{study.name}.md").read_text()
+  points = study_lib.study_points(study, quick=True)
+  assert [row["name"] for row in results["points"]] == [p.name
+                                                        for p in points]
+  for row in results["points"]:
+    assert f"| {row['name']} |" in table
+    finished = row["eval_loss"]["n"] + row["diverged"]
+    assert finished == len(seeds)
+  reference = next(row for row in results["points"]
+                   if row["name"] == study.reference)
+  assert reference["perplexity_change_vs_reference"]["mean"] == 0.0
+
+
+def test_a_study_resumes_without_rerunning_finished_runs(tmp_path):
+  study = sign_pruning.STUDY
+  kwargs = dict(runs_dir=str(tmp_path / "runs"), seeds=[0], quick=True,
+                out_dir=str(tmp_path / "out"))
+  first = study_lib.run_study(study, **kwargs)
+  point = study_lib.study_points(study, quick=True)[-1]
+  summary = os.path.join(tmp_path, "runs", study.name, point.name, "seed0",
+                         "summary.json")
+  stamp = os.path.getmtime(summary)
+  again = study_lib.run_study(study, **kwargs)
+  assert os.path.getmtime(summary) == stamp  # read back, not run again
+  assert again["points"] == first["points"]
+
+
+def test_paired_perplexity_change_and_spread():
+  study = study_lib.Study("s", "t", "c", (), "ref", study_lib.bar_plot)
+  run = lambda seed, loss: {"seed": seed, "status": "done",
+                            "final_eval_loss": loss, "comm_bytes": 1,
+                            "wall_s": 1.0}
+  runs = {"ref": [run(0, 2.0), run(1, 3.0)],
+          "b": [run(0, 2.1), run(1, 3.1)]}
+  points = [study_lib.Point("ref", {}), study_lib.Point("b", {})]
+  results = study_lib.summarize(study, runs, [0, 1], False, points)
+  b = results["points"][1]
+  assert b["eval_loss"]["mean"] == pytest.approx(2.6)
+  assert b["eval_loss"]["std"] == pytest.approx(0.7071068)
+  # Paired by seed: the seeds' own spread cancels.
+  change = b["perplexity_change_vs_reference"]
+  assert change["mean"] == pytest.approx(0.1051709)
+  assert change["std"] == pytest.approx(0.0, abs=1e-12)
