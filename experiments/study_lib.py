@@ -4,10 +4,11 @@ their results as JSON, a markdown table and a PNG plot.
 A study is a list of points (config overrides on configs/study.py) and a
 reference point. Each point runs once per seed (config.seed and
 config.data.seed both set to it, so the initialization and the batch order
-change) in RUNS/STUDY/POINT/seedS with `train.train_and_evaluate`, which
-resumes a stopped run and returns a finished run's summary at once: a
-killed study continues where it stopped when rerun. A run that diverges
-(NaN) is recorded as such and not retried.
+change) with `train.train_and_evaluate`, in a workdir named by a hash of
+its config (RUNS/runs/HASH, so studies share identical runs); that resumes a
+stopped run and returns a finished run's summary at once: a killed study
+continues where it stopped when rerun. A run that diverges (NaN) is
+recorded as such and not retried.
 
 Each point reports the mean and sample standard deviation of the final eval
 loss over its seeds, and the change of eval perplexity against the
@@ -17,6 +18,7 @@ and pairing removes the seed-to-seed spread both points share.
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -38,10 +40,14 @@ class Point:
     name: the point's label (a directory name too).
     overrides: {'dotted.config.field': value}.
     x: where sweeps plot it (None for categorical points).
+    reference: the point it is compared with (default: the study's).
+    series: sweeps draw one line per series (a label; '' for the main one).
   """
   name: str
   overrides: dict
   x: float | None = None
+  reference: str | None = None
+  series: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +126,17 @@ def _run_record(summary: dict, seed: int, workdir: str) -> dict:
 FAILURE_FILE = "study_failure.json"  # in a run's workdir: not retried
 
 
+def run_workdir(runs_dir: str, config) -> str:
+  """RUNS/runs/HASH: one directory per distinct config (seed included).
+
+  Studies share their runs: the reference DiLoCo run of one study is a
+  point of several others, and runs once.
+  """
+  digest = hashlib.sha256(config.to_json_best_effort(
+      sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(runs_dir, "runs", digest)
+
+
 def run_point(study: Study, point: Point, seed: int, runs_dir: str,
               quick: bool) -> dict:
   """Runs (or resumes, or reads back) one point at one seed."""
@@ -127,12 +144,12 @@ def run_point(study: Study, point: Point, seed: int, runs_dir: str,
   from diloco_jax import guards
   from diloco_jax import train
   # pylint: enable=g-import-not-at-top
-  workdir = os.path.join(runs_dir, study.name, point.name, f"seed{seed}")
+  config = point_config(study, point, seed, quick)
+  workdir = run_workdir(runs_dir, config)
   failure = os.path.join(workdir, FAILURE_FILE)
   if os.path.exists(failure):
     with open(failure) as f:
       return json.load(f)
-  config = point_config(study, point, seed, quick)
   start = time.perf_counter()
   try:
     summary = train.train_and_evaluate(config, workdir)
@@ -165,9 +182,10 @@ def summarize(study: Study, runs: dict, seeds: list[int], quick: bool,
   """The results record from {point name: [run records]}."""
   done = lambda records: {r["seed"]: r for r in records
                           if r["status"] == "done"}
-  reference = done(runs.get(study.reference, []))
   rows = []
   for point in points:
+    reference_name = point.reference or study.reference
+    reference = done(runs.get(reference_name, []))
     finished = done(runs[point.name])
     losses = [r["final_eval_loss"] for r in finished.values()]
     paired = [math.exp(r["final_eval_loss"]
@@ -175,6 +193,7 @@ def summarize(study: Study, runs: dict, seeds: list[int], quick: bool,
               for seed, r in finished.items() if seed in reference]
     rows.append({
         "name": point.name, "x": point.x, "overrides": point.overrides,
+        "reference": reference_name, "series": point.series,
         "runs": runs[point.name],
         "diverged": sum(r["status"] == "diverged" for r in runs[point.name]),
         "eval_loss": _stats(losses),
@@ -210,8 +229,10 @@ def markdown_table(results: dict) -> str:
     loss_text = ("-" if loss["mean"] is None else
                  f"{loss['mean']:.4f} ± {loss['std']:.4f}")
     change_text = ("-" if change["mean"] is None or row["name"] ==
-                   results["reference"] else
-                   f"{100 * change['mean']:+.2f}% ± {100 * change['std']:.2f}")
+                   row["reference"] else
+                   f"{100 * change['mean']:+.2f}% ± {100 * change['std']:.2f}"
+                   + ("" if row["reference"] == results["reference"] else
+                      f" (vs {row['reference']})"))
     runs = f"{loss['n']}" + (f" ({row['diverged']} diverged)"
                              if row["diverged"] else "")
     lines.append(f"| {row['name']} | {loss_text} | {change_text} | "
@@ -262,12 +283,17 @@ def sweep_plot(xlabel: str, logx: bool = False):
 
   def plot(results: dict, path: str) -> None:
     plt = _pyplot()
-    rows = sorted(_finished(results), key=lambda row: row["x"])
+    rows = [row for row in _finished(results) if row["x"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.errorbar([row["x"] for row in rows],
-                [row["eval_loss"]["mean"] for row in rows],
-                yerr=[row["eval_loss"]["std"] for row in rows], marker="o",
-                capsize=4)
+    for series in dict.fromkeys(row.get("series", "") for row in rows):
+      line = sorted((row for row in rows if row.get("series", "") == series),
+                    key=lambda row: row["x"])
+      ax.errorbar([row["x"] for row in line],
+                  [row["eval_loss"]["mean"] for row in line],
+                  yerr=[row["eval_loss"]["std"] for row in line], marker="o",
+                  capsize=4, label=series or None)
+    if any(row.get("series") for row in rows):
+      ax.legend(fontsize=8)
     if logx:
       ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)

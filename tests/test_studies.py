@@ -1,6 +1,7 @@
 """Each study in experiments/ runs end to end in its --quick setting."""
 
 import json
+import math
 import os
 
 import pytest
@@ -49,13 +50,23 @@ def test_a_study_resumes_without_rerunning_finished_runs(tmp_path):
   kwargs = dict(runs_dir=str(tmp_path / "runs"), seeds=[0], quick=True,
                 out_dir=str(tmp_path / "out"))
   first = study_lib.run_study(study, **kwargs)
-  point = study_lib.study_points(study, quick=True)[-1]
-  summary = os.path.join(tmp_path, "runs", study.name, point.name, "seed0",
+  summary = os.path.join(first["points"][-1]["runs"][0]["workdir"],
                          "summary.json")
   stamp = os.path.getmtime(summary)
   again = study_lib.run_study(study, **kwargs)
   assert os.path.getmtime(summary) == stamp  # read back, not run again
   assert again["points"] == first["points"]
+
+
+def test_identical_points_of_two_studies_share_one_run(tmp_path):
+  one = study_lib.point_config(table2.STUDY, study_lib.Point("diloco", {}),
+                               0, quick=True)
+  other = study_lib.point_config(sign_pruning.STUDY, sign_pruning.STUDY.points[0],
+                                 0, quick=True)
+  assert (study_lib.run_workdir("r", one) == study_lib.run_workdir("r", other))
+  reseeded = study_lib.point_config(table2.STUDY,
+                                    study_lib.Point("diloco", {}), 1, True)
+  assert study_lib.run_workdir("r", reseeded) != study_lib.run_workdir("r", one)
 
 
 def test_paired_perplexity_change_and_spread():
@@ -64,8 +75,10 @@ def test_paired_perplexity_change_and_spread():
                             "final_eval_loss": loss, "comm_bytes": 1,
                             "wall_s": 1.0}
   runs = {"ref": [run(0, 2.0), run(1, 3.0)],
-          "b": [run(0, 2.1), run(1, 3.1)]}
-  points = [study_lib.Point("ref", {}), study_lib.Point("b", {})]
+          "b": [run(0, 2.1), run(1, 3.1)],
+          "c": [run(0, 2.1), run(1, 3.0)]}
+  points = [study_lib.Point("ref", {}), study_lib.Point("b", {}),
+            study_lib.Point("c", {}, reference="b")]
   results = study_lib.summarize(study, runs, [0, 1], False, points)
   b = results["points"][1]
   assert b["eval_loss"]["mean"] == pytest.approx(2.6)
@@ -74,3 +87,9 @@ def test_paired_perplexity_change_and_spread():
   change = b["perplexity_change_vs_reference"]
   assert change["mean"] == pytest.approx(0.1051709)
   assert change["std"] == pytest.approx(0.0, abs=1e-12)
+  # A point may name its own reference.
+  c = results["points"][2]
+  assert c["reference"] == "b"
+  assert c["perplexity_change_vs_reference"]["mean"] == pytest.approx(
+      (math.exp(-0.1) - 1) / 2)
+  assert "(vs b)" in study_lib.markdown_table(results)
