@@ -140,8 +140,13 @@ def _with_shardings(abstract_tree, shardings):
       abstract_tree, shardings)
 
 
-def _refuse_config_changes(where: str, meta: dict, config) -> None:
-  """Raises ConfigChangedError for changes resume.allow_changes lacks."""
+def _refuse_config_changes(path: str, meta: dict, config) -> None:
+  """Raises ConfigChangedError for changes resume.allow_changes lacks.
+
+  Args:
+    path: the checkpoint's directory (WORKDIR/checkpoints/STEP).
+  """
+  where = f"checkpoint {path}"
   if "config" not in meta:
     return
   refused = config_changes.refused(
@@ -152,8 +157,8 @@ def _refuse_config_changes(where: str, meta: dict, config) -> None:
         f"{where} was written by a {meta['config']['mode']!r} run; a "
         f"checkpoint of another mode cannot be resumed as config.mode="
         f"{config.mode!r} in place (ddp and single runs never update the "
-        "global params that every island would start from); use another "
-        "workdir")
+        "global params that every island would start from); to start from "
+        f"its model, use another --workdir with --config.init_from={path}")
   if refused:
     names = ",".join(c["field"] for c in refused)
     raise ConfigChangedError(
@@ -187,9 +192,10 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
                                            config.mesh.fsdp)
 
   def restore(step, meta):
-    where = f"checkpoint {checkpointer.directory}/{step}"
+    path = f"{checkpointer.directory}/{step}"
+    where = f"checkpoint {path}"
     if compare_config:
-      _refuse_config_changes(where, meta, config)
+      _refuse_config_changes(path, meta, config)
     mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
                                             current_shapes)
     if mismatch:

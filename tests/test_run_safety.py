@@ -403,8 +403,14 @@ def test_a_checkpoint_of_another_mode_is_never_resumed_in_place(
   with pytest.raises(train.ConfigChangedError,
                      match=rf"written by a '{saved_mode}' run; a checkpoint "
                      rf"of another mode cannot be resumed as config.mode="
-                     rf"'{mode}' in place"):
+                     rf"'{mode}' in place.*--config.init_from=(\S+)$") as error:
     train.train_and_evaluate(_config(mode=mode, total_steps=4), workdir)
+  # What the message suggests works: a new run from that checkpoint's model.
+  suggested = error.value.args[0].rsplit("--config.init_from=", 1)[1]
+  summary = train.train_and_evaluate(
+      _config(mode=mode, total_steps=6, init_from=suggested),
+      str(tmp_path / "from_it"))
+  assert summary["initialized_from"]["step"] == 4
   with pytest.raises(validation.ConfigError, match=r"cannot allow 'mode'"):
     train.train_and_evaluate(_config(**{"mode": mode, "total_steps": 4,
                                         "resume.allow_changes": "mode"}),
