@@ -12,10 +12,27 @@ corpus. `quick` is a seconds-long version on the synthetic corpus that
 the tests run.
 """
 
+from configs import tiny
 from diloco_jax import config_schema
 
 
 def get_config(arg: str = ""):
+  if arg not in ("", "quick"):
+    raise ValueError(f"configs/study.py takes '' or 'quick', not {arg!r}")
+  if arg == "quick":
+    # The tests' tiny model and synthetic corpus, with the same protocol.
+    config = tiny.get_config()
+    config.pretrain_steps = 2
+    config.diloco.inner_steps = 2
+  else:
+    config = _full_size()
+  # Every run saves at its end; a killed study resumes from round ends.
+  config.checkpoint.every_rounds = 4
+  config.checkpoint.max_to_keep = 1
+  return config
+
+
+def _full_size():
   config = config_schema.base_config()
   config.mode = "diloco"
   config.total_steps = 400
@@ -42,33 +59,5 @@ def get_config(arg: str = ""):
   config.data.batch_size = 16
   config.eval.batch_size = 64
   config.eval.num_batches = 4
-  # Every run saves at its end; a killed study resumes from round ends.
-  config.checkpoint.every_rounds = 4
-  config.checkpoint.max_to_keep = 1
   config.log_every_seconds = 30.0
-
-  if arg == "quick":
-    config.total_steps = 8
-    config.pretrain_steps = 2
-    config.diloco.islands = 2
-    config.diloco.inner_steps = 2
-    config.inner_optimizer.warmup_steps = 1
-    config.model.num_layers = 1
-    config.model.d_model = 32
-    config.model.num_heads = 2
-    config.model.head_dim = 16
-    config.model.mlp_dim = 64
-    config.model.max_sequence_length = 32
-    config.model.vocab_size = 33
-    config.data.corpus = "synthetic"
-    config.data.sequence_length = 32
-    config.data.batch_size = 4
-    config.data.synthetic.vocab_size = 32
-    config.data.synthetic.num_documents = 256
-    config.data.synthetic.document_length = 64
-    config.data.synthetic.validation_documents = 32
-    config.eval.batch_size = 8
-    config.eval.num_batches = 2
-  elif arg:
-    raise ValueError(f"configs/study.py takes '' or 'quick', not {arg!r}")
   return config

@@ -159,6 +159,18 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def override(config: ml_collections.ConfigDict,
+             overrides: dict) -> ml_collections.ConfigDict:
+  """Sets `config`'s dotted fields, e.g. {'diloco.islands': 4}; returns it."""
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
 def from_record(record: dict) -> ml_collections.ConfigDict:
   """The config a saved record describes (a checkpoint's, config.json).
 

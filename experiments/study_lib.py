@@ -75,22 +75,14 @@ class Study:
   base_overrides: dict = dataclasses.field(default_factory=dict)
 
 
-def set_fields(config, overrides: dict):
-  """Sets `config`'s dotted fields; returns it."""
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
-
-
 def base_config(study: Study, quick: bool):
   """configs/study.py (its quick version) with the study's overrides."""
-  from configs import study as study_config  # pylint: disable=g-import-not-at-top
-  return set_fields(study_config.get_config("quick" if quick else ""),
-                    study.base_overrides)
+  # pylint: disable=g-import-not-at-top
+  from configs import study as study_config
+  from diloco_jax import config_schema
+  # pylint: enable=g-import-not-at-top
+  return config_schema.override(
+      study_config.get_config("quick" if quick else ""), study.base_overrides)
 
 
 def study_points(study: Study, quick: bool) -> list[Point]:
@@ -104,9 +96,9 @@ def study_points(study: Study, quick: bool) -> list[Point]:
 
 def point_config(study: Study, point: Point, seed: int, quick: bool):
   """The config of one run: base, quick settings, study, point, seed."""
-  config = base_config(study, quick)
-  set_fields(config, point.overrides)
-  return set_fields(config, {"seed": seed, "data.seed": seed})
+  from diloco_jax import config_schema  # pylint: disable=g-import-not-at-top
+  config = config_schema.override(base_config(study, quick), point.overrides)
+  return config_schema.override(config, {"seed": seed, "data.seed": seed})
 
 
 def _run_record(summary: dict, seed: int, workdir: str) -> dict:

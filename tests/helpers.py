@@ -13,6 +13,7 @@ from diloco_jax import config_schema
 from diloco_jax import diloco
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import model as model_lib
+from diloco_jax import programs as programs_lib
 
 
 def tiny_model_config(vocab_size: int = 33):
@@ -124,10 +125,18 @@ def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
 
 def with_overrides(config, overrides: dict):
   """Sets `config`'s dotted fields, e.g. {'diloco.islands': 4}; returns it."""
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return config_schema.override(config, overrides)
+
+
+def wrap_inner_step(monkeypatch, wrapper):
+  """Runs every compiled inner step of the runs that follow as
+  wrapper(inner_step, state, batch), e.g. to inject a fault or a signal at
+  a given call."""
+  real = programs_lib.compile_programs
+
+  def compile_programs(*args):
+    programs = real(*args)
+    return programs._replace(inner_step=functools.partial(
+        wrapper, programs.inner_step))
+
+  monkeypatch.setattr(programs_lib, "compile_programs", compile_programs)

@@ -26,7 +26,6 @@ from diloco_jax import checkpointing
 from diloco_jax import config_changes
 from diloco_jax import guards
 from diloco_jax import integrity
-from diloco_jax import programs as programs_lib
 from diloco_jax import train
 from diloco_jax import validation
 from diloco_jax import workdir as workdir_lib
@@ -86,23 +85,18 @@ def test_a_diverging_run_stops_naming_step_and_island_and_saves_no_nan(
 def _poison_once(monkeypatch, at_call: int):
   """Makes the inner step's `at_call`-th call return NaN params and loss:
   one transient fault, as a bad batch or a flipped bit would cause."""
-  real = programs_lib.compile_programs
   calls = []
 
-  def compile_programs(*args):
-    programs = real(*args)
+  def poisoned(inner_step, state, batch):
+    calls.append(1)
+    state, metrics = inner_step(state, batch)
+    if len(calls) == at_call:
+      state = state.replace(island_params=jax.tree.map(
+          lambda p: p * jnp.nan, state.island_params))
+      metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
+    return state, metrics
 
-    def inner_step(state, batch):
-      calls.append(1)
-      state, metrics = programs.inner_step(state, batch)
-      if len(calls) == at_call:
-        state = state.replace(island_params=jax.tree.map(
-            lambda p: p * jnp.nan, state.island_params))
-        metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
-      return state, metrics
-    return programs._replace(inner_step=inner_step)
-
-  monkeypatch.setattr(programs_lib, "compile_programs", compile_programs)
+  helpers.wrap_inner_step(monkeypatch, poisoned)
   return calls
 
 

@@ -19,8 +19,8 @@ from configs import tiny
 from diloco_jax import checkpointing
 from diloco_jax import diloco
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import metrics as metrics_lib
 from diloco_jax import optimizers
-from diloco_jax import programs as programs_lib
 from diloco_jax import state_spec
 from diloco_jax import stops
 from diloco_jax import train
@@ -37,11 +37,6 @@ def _config(**overrides):
   config.diloco.inner_steps = H
   config.checkpoint.max_to_keep = 10
   return helpers.with_overrides(config, overrides)
-
-
-def _metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
 
 
 def _summary(workdir):
@@ -89,8 +84,8 @@ def test_pretraining_then_diloco_equals_single_then_init_from_bit_for_bit(
   _assert_equal_trees(_state(runs["protocol"]), _state(runs["init_from"]))
   _assert_equal_trees(_state(os.path.join(runs["protocol"], "pretrain")),
                       _state(runs["single"]))
-  main_phase = [r for r in _metrics(runs["protocol"]) if r["step"] > PRETRAIN]
-  by_hand = _metrics(runs["init_from"])
+  main_phase = [r for r in metrics_lib.read_metrics(runs["protocol"]) if r["step"] > PRETRAIN]
+  by_hand = metrics_lib.read_metrics(runs["init_from"])
   assert [r["step"] for r in by_hand] == list(range(PRETRAIN + 1, TOTAL + 1))
   for a, b in zip(main_phase, by_hand, strict=True):
     for key in ("step", "train_loss", "grad_norm", "learning_rate",
@@ -101,7 +96,7 @@ def test_pretraining_then_diloco_equals_single_then_init_from_bit_for_bit(
 
 
 def test_metrics_mark_the_phase_and_total_steps_counts_both(runs):
-  records = _metrics(runs["protocol"])
+  records = metrics_lib.read_metrics(runs["protocol"])
   assert [r["step"] for r in records] == list(range(1, TOTAL + 1))
   assert [r["phase"] for r in records] == (["pretrain"] * PRETRAIN
                                            + ["diloco"] * (TOTAL - PRETRAIN))
@@ -177,20 +172,15 @@ def test_an_inner_state_that_does_not_fit_starts_fresh_on_the_schedule(runs):
 def _stop_at_inner_call(monkeypatch, at_call: int):
   """Sends this process SIGTERM during the inner step's `at_call`-th call
   (counted over both phases), as a scheduler's preemption would."""
-  real = programs_lib.compile_programs
   calls = []
 
-  def compile_programs(*args):
-    programs = real(*args)
+  def stopping(inner_step, state, batch):
+    calls.append(1)
+    if len(calls) == at_call:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return inner_step(state, batch)
 
-    def inner_step(state, batch):
-      calls.append(1)
-      if len(calls) == at_call:
-        os.kill(os.getpid(), signal.SIGTERM)
-      return programs.inner_step(state, batch)
-    return programs._replace(inner_step=inner_step)
-
-  monkeypatch.setattr(programs_lib, "compile_programs", compile_programs)
+  helpers.wrap_inner_step(monkeypatch, stopping)
 
 
 @pytest.mark.parametrize("stop_at", [2, PRETRAIN + 3],
@@ -204,7 +194,7 @@ def test_a_stop_in_either_phase_resumes_to_the_same_run(runs, tmp_path,
   monkeypatch.undo()
   train.train_and_evaluate(_config(pretrain_steps=PRETRAIN), workdir)
   _assert_equal_trees(_state(runs["protocol"]), _state(workdir))
-  assert _metrics(workdir) == _metrics(runs["protocol"])
+  assert metrics_lib.read_metrics(workdir) == metrics_lib.read_metrics(runs["protocol"])
 
 
 @pytest.mark.parametrize("overrides, error, message", [
