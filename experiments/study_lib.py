@@ -194,6 +194,13 @@ def summarize(study: Study, runs: dict, seeds: list[int], quick: bool,
         "island_mean_eval_loss": _stats(
             [r["final_eval_loss_island_mean"] for r in finished.values()
              if r.get("final_eval_loss_island_mean") is not None]),
+        # The outer params against the islands' plain average (DiLoCo),
+        # as a perplexity change, per seed.
+        "outer_vs_island_mean": _stats(
+            [math.exp(r["final_eval_loss"]
+                      - r["final_eval_loss_island_mean"]) - 1
+             for r in finished.values()
+             if r.get("final_eval_loss_island_mean") is not None]),
         "wall_s": sum(r["wall_s"] for r in finished.values()),
     })
   return {
@@ -210,13 +217,19 @@ def _format_mb(value) -> str:
 
 def markdown_table(results: dict) -> str:
   """The results as a markdown table, one row per point."""
+  with_mean = any(row["outer_vs_island_mean"]["n"]
+                  for row in results["points"])
   lines = [
       f"**{results['title']}** ({len(results['seeds'])} seeds; reference: "
       f"{results['reference']})", "",
       "| point | eval loss (mean ± std) | perplexity vs reference | sent per "
-      "island | runs |",
-      "|---|---|---|---|---|"]
+      "island | runs |" + (" outer params vs islands' average |"
+                           if with_mean else ""),
+      "|---|---|---|---|---|" + ("---|" if with_mean else "")]
   for row in results["points"]:
+    outer = row["outer_vs_island_mean"]
+    outer_text = ("-" if not outer["n"] else
+                  f"{100 * outer['mean']:+.2f}% ± {100 * outer['std']:.2f}")
     loss, change = row["eval_loss"], row["perplexity_change_vs_reference"]
     loss_text = ("-" if loss["mean"] is None else
                  f"{loss['mean']:.4f} ± {loss['std']:.4f}")
@@ -228,7 +241,8 @@ def markdown_table(results: dict) -> str:
     runs = f"{loss['n']}" + (f" ({row['diverged']} diverged)"
                              if row["diverged"] else "")
     lines.append(f"| {row['name']} | {loss_text} | {change_text} | "
-                 f"{_format_mb(row['comm_bytes']['mean'])} | {runs} |")
+                 f"{_format_mb(row['comm_bytes']['mean'])} | {runs} |"
+                 + (f" {outer_text} |" if with_mean else ""))
   return "\n".join(lines)
 
 

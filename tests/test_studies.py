@@ -73,7 +73,8 @@ def test_paired_perplexity_change_and_spread():
   study = study_lib.Study("s", "t", "c", (), "ref", study_lib.bar_plot)
   run = lambda seed, loss: {"seed": seed, "status": "done",
                             "final_eval_loss": loss, "comm_bytes": 1,
-                            "wall_s": 1.0}
+                            "wall_s": 1.0,
+                            "final_eval_loss_island_mean": loss + 0.1}
   runs = {"ref": [run(0, 2.0), run(1, 3.0)],
           "b": [run(0, 2.1), run(1, 3.1)],
           "c": [run(0, 2.1), run(1, 3.0)]}
@@ -93,3 +94,7 @@ def test_paired_perplexity_change_and_spread():
   assert c["perplexity_change_vs_reference"]["mean"] == pytest.approx(
       (math.exp(-0.1) - 1) / 2)
   assert "(vs b)" in study_lib.markdown_table(results)
+  # The outer params against the islands' average, per seed.
+  assert b["outer_vs_island_mean"]["mean"] == pytest.approx(math.exp(-0.1) - 1)
+  assert "outer params vs islands' average" in study_lib.markdown_table(
+      results)
