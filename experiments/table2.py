@@ -13,7 +13,8 @@ The paper (150M model, 8 workers, H=500; perplexity): single 16.23, 8x batch
 data parallel 15.30, 8x updates 14.72, DiLoCo 15.02, sending 8N per step for
 data parallel against 8N/H for DiLoCo.
 
-Full run: 5 points x 3 seeds, 18 minutes on 2 CPU cores.
+Full run: 5 points x 3 seeds; the runs take 16 minutes on 2 CPU cores
+(18 with start-up).
 """
 
 from experiments import study_lib
