@@ -6,8 +6,10 @@ DiLoCo with 4 islands after the shared pretraining, each outer optimizer on
 the same pseudo-gradients: Nesterov at learning rates 0.3, 0.7, 1.0 with
 momentum 0.9 and lr 0.7 with momentum 0.5; plain SGD with lr 1 (FedAvg:
 parameter averaging); Adam (lr 0.01) with the large eps the paper needed
-(0.1) and with the usual 1e-8. The paper: Nesterov is best; FedAvg and Adam
-are worse, Adam unstable unless eps is about 0.1.
+(0.1) and with the usual 1e-8, and Adam with eps 0.1 at lr 0.07 (with eps
+far above the pseudo-gradients' size, Adam's step is about lr / eps times
+the pseudo-gradient, so this matches SGD at lr 0.7). The paper: Nesterov
+is best; FedAvg and Adam are worse, Adam unstable unless eps is about 0.1.
 """
 
 from experiments import study_lib
@@ -37,6 +39,10 @@ STUDY = study_lib.Study(
                         _outer("adam", learning_rate=0.01, eps=0.1)),
         study_lib.Point("adam_eps1e-8",
                         _outer("adam", learning_rate=0.01, eps=1e-8)),
+        # With eps = 0.1 far above |pseudo-gradient|, Adam's step is about
+        # lr / eps x the pseudo-gradient: lr 0.07 matches SGD's 0.7.
+        study_lib.Point("adam_eps0.1_lr0.07",
+                        _outer("adam", learning_rate=0.07, eps=0.1)),
     ),
     reference="nesterov_lr0.7_m0.9",
     plot=study_lib.bar_plot,
