@@ -6,6 +6,8 @@ DiLoCo with 4 islands after 100 pretraining steps; the 300 steps that follow
 are split into rounds of H = 5, 10, 25, 50 or 100 steps (60 to 3 rounds).
 The paper: going from H=50 to H=1000 costs about 2.9% perplexity while
 sending 20x less.
+
+Full run: 5 points x 3 seeds; the runs take 14 minutes on 2 CPU cores.
 """
 
 from experiments import study_lib

@@ -10,6 +10,8 @@ parameter averaging); Adam (lr 0.01) with the large eps the paper needed
 far above the pseudo-gradients' size, Adam's step is about lr / eps times
 the pseudo-gradient, so this matches SGD at lr 0.7). The paper: Nesterov
 is best; FedAvg and Adam are worse, Adam unstable unless eps is about 0.1.
+
+Full run: 8 points x 3 seeds; the runs take 22 minutes on 2 CPU cores.
 """
 
 from experiments import study_lib
