@@ -113,7 +113,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.tfds_name = ""  # corpus 'c4' through TFDS, e.g. 'c4/en' (path = data_dir)
   c.data.tokenizer = "byte"  # 'byte' | 'sentencepiece'
   c.data.tokenizer_path = ""  # SentencePiece .model (e.g. the T5 C4 vocabulary)
-  # 'iid' | 'clustered': islands get distinct k-means clusters of documents.
+  # 'iid' | 'clustered' | 'clustered_balanced': islands get distinct k-means
+  # clusters of documents; balanced moves the clusters' boundaries so each
+  # holds about 1 / islands of the tokens (plain k-means on text tends to
+  # put most of a corpus in one cluster).
   c.data.island_split = "iid"
   c.data.sequence_length = 128
   c.data.batch_size = 16  # per island (per worker); ddp global = islands x this

@@ -312,14 +312,26 @@ def sweep_plot(xlabel: str, logx: bool = False):
 def pareto_plot(results: dict, path: str) -> None:
   """Final eval loss against the bytes one island sent, every point."""
   plt = _pyplot()
-  rows = _finished(results)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for row in rows:
+  rows = sorted(_finished(results), key=lambda row: row["comm_bytes"]["mean"])
+  markers = {series: "osD^v"[i % 5] for i, series in enumerate(
+      dict.fromkeys(row.get("series", "") for row in rows))}
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, row in enumerate(rows):
     sent = row["comm_bytes"]["mean"] / 1e6
+    series = row.get("series", "")
     ax.errorbar([sent], [row["eval_loss"]["mean"]],
-                yerr=[row["eval_loss"]["std"]], marker="o", capsize=3)
+                yerr=[row["eval_loss"]["std"]], marker=markers[series],
+                capsize=3, color="tab:gray" if series else None)
+    # Neighbours in bytes often sit at the same loss: alternate the labels
+    # above and below so they stay readable.
     ax.annotate(row["name"], (sent, row["eval_loss"]["mean"]),
-                textcoords="offset points", xytext=(4, 4), fontsize=8)
+                textcoords="offset points",
+                xytext=(4, 5 if i % 2 == 0 else -11), fontsize=8)
+  for series, marker in markers.items():
+    if series:
+      ax.plot([], [], marker, color="tab:gray", label=series)
+  if len(markers) > 1:
+    ax.legend(fontsize=8)
   ax.set_xscale("log")
   ax.set_xlabel("MB sent per island (log)")
   ax.set_ylabel("final eval loss (nats/token)")

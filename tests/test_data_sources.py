@@ -221,6 +221,102 @@ def test_kmeans_separates_two_alphabets_deterministically():
   assert len(set(labels[0::2])) == len(set(labels[1::2])) == 1
 
 
+def test_balance_offsets_even_out_a_dominant_cluster():
+  # Three blobs holding 70 / 20 / 10 points of random weight, each around
+  # its centroid: plain assignment follows the blobs; balanced assignment
+  # moves the big blob's boundary until every cluster holds about a third.
+  rng = np.random.default_rng(0)
+  centroids = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0]], np.float32)
+  blobs = np.repeat([0, 1, 2], [70, 20, 10])
+  features = (centroids[blobs]
+              + rng.normal(0, 1, (blobs.size, 2))).astype(np.float32)
+  weights = rng.integers(50, 150, blobs.size).astype(np.float64)
+  offsets = clustering.balance_offsets(features, centroids, weights)
+  np.testing.assert_array_equal(
+      offsets, clustering.balance_offsets(features, centroids, weights))
+  plain = clustering.assign(features, centroids)
+  balanced = clustering.assign(features, centroids, offsets)
+  plain_shares = np.bincount(plain, weights, 3) / weights.sum()
+  shares = np.bincount(balanced, weights, 3) / weights.sum()
+  assert plain_shares.max() > 0.6
+  # Whole points cannot split the weight exactly: within the tolerance
+  # plus one point's weight.
+  np.testing.assert_allclose(
+      shares, 1 / 3,
+      atol=clustering.BALANCE_TOLERANCE / 3 + weights.max() / weights.sum())
+  # Clusters grow at their edge: a point that moved from the big cluster
+  # is nearer its new centroid, relative to the big one's, than every point
+  # the big one kept (in squared distance, where the offsets act).
+  distance = ((features[:, None] - centroids[None]) ** 2).sum(axis=2)
+  for cluster in (1, 2):
+    moved = (plain == 0) & (balanced == cluster)
+    kept = balanced == 0
+    assert moved.any()
+    assert (distance[moved, cluster] - distance[moved, 0]).max() <= (
+        distance[kept, cluster] - distance[kept, 0]).min()
+
+
+def test_balanced_clusters_of_documents_are_deterministic():
+  rng = np.random.default_rng(1)
+  documents = [bytes(rng.choice(list(b"abcdef" if i % 4 else b"uvwxyz"),
+                                size=200)) for i in range(40)]
+  weights = np.full(len(documents), 201.0)
+  labels = clustering.cluster_documents(documents, 2, seed=0,
+                                        weights=weights)
+  np.testing.assert_array_equal(
+      labels, clustering.cluster_documents(documents, 2, 0, weights))
+  assert np.bincount(labels, minlength=2).tolist() == [20, 20]
+  # One island (the pretraining phase of a clustered run) takes everything.
+  np.testing.assert_array_equal(
+      clustering.cluster_documents(documents, 1, 0, weights), 0)
+
+
+def test_balanced_text_files_islands_hold_equal_tokens(tmp_path):
+  _write_mixed_files(tmp_path, 60)  # a third code, two thirds prose
+  config = _data_config(corpus="text_files", path=str(tmp_path),
+                        island_split="clustered_balanced",
+                        sequence_length=32)
+  island_sequences = corpus_lib.build_island_sequences(config, 2, seed=0)
+  decoded = [tokenizer_lib.ByteTokenizer().decode(sequences).decode()
+             for sequences in island_sequences]
+  # The code island takes some prose to even out; no code leaves it.
+  code_island = ["def f" in text for text in decoded].index(True)
+  assert "def f" not in decoded[1 - code_island]
+  assert "The river" in decoded[code_island]
+  weights = sources.make_batch_source(config, 2, batch_size=2,
+                                     seed=0).island_token_weights()
+  np.testing.assert_allclose(weights, 0.5, atol=0.05)
+  plain = sources.make_batch_source(
+      _data_config(corpus="text_files", path=str(tmp_path),
+                   island_split="clustered", sequence_length=32),
+      2, batch_size=2, seed=0).island_token_weights()
+  assert plain.min() < 0.4  # the unbalanced split it corrects
+
+
+def test_balanced_c4_stream_holds_equal_tokens_and_resumes(tmp_path):
+  documents = [_code(i) if i % 4 == 0 else _prose(i) for i in range(80)]
+  for shard in range(4):
+    (tmp_path / f"c4-train.{shard:05d}-of-00004.jsonl").write_text("".join(
+        json.dumps({"text": text}) + "\n" for text in documents[shard::4]))
+  (tmp_path / "c4-validation.00000-of-00001.jsonl").write_text(
+      json.dumps({"text": _prose(99)}) + "\n")
+  config = _data_config(corpus="c4", path=str(tmp_path),
+                        island_split="clustered_balanced")
+  source = sources.make_batch_source(config, 2, batch_size=2, seed=0)
+  np.testing.assert_allclose(source.island_token_weights(), 0.5, atol=0.05)
+  batches = np.stack([source.next_batch() for _ in range(200)])
+  text = [tokenizer_lib.ByteTokenizer().decode(batches[:, island]).decode()
+          for island in range(2)]
+  # One island holds all the code plus prose; the other prose only.
+  assert sorted("def f" in t for t in text) == [False, True]
+  assert all("The river" in t for t in text)
+  state = source.state()
+  following = source.next_batch()
+  resumed = sources.make_batch_source(config, 2, batch_size=2, seed=0)
+  resumed.restore(json.loads(json.dumps(state)))
+  np.testing.assert_array_equal(resumed.next_batch(), following)
+
+
 def test_clustered_text_files_islands_separate_code_from_prose(tmp_path):
   kinds = _write_mixed_files(tmp_path, 60)
   config = _data_config(corpus="text_files", path=str(tmp_path),

@@ -16,6 +16,10 @@ NUM_BUCKETS = 4096  # 2**12: enough to tell kinds of text apart, cheap to hold
 MAX_FEATURE_SYMBOLS = 32768
 NGRAM_ORDERS = (2, 3)
 KMEANS_ITERATIONS = 10
+# Balanced clusters: stop once every cluster is within 5% of 1/k of the
+# weight (whole documents cannot split it exactly), or after this many sweeps.
+BALANCE_SWEEPS = 50
+BALANCE_TOLERANCE = 0.05
 
 # Odd 64-bit constants: a multiplicative (Fibonacci) hash spreads n-gram keys
 # over the buckets; the base combines the symbols of one n-gram into a key.
@@ -66,12 +70,71 @@ def _squared_distances(features: np.ndarray,
   return np.maximum(distances, 0.0)
 
 
-def assign(features: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+def assign(features: np.ndarray, centroids: np.ndarray,
+           offsets: np.ndarray | None = None) -> np.ndarray:
   """The index of each row's nearest centroid, [num_points] int64.
 
-  Ties go to the lowest index, so assignment is deterministic.
+  `offsets` [k] (from `balance_offsets`) are added to the squared distances
+  to every centroid, making a cluster cheaper or dearer to join. Ties go to
+  the lowest index, so assignment is deterministic.
   """
-  return np.argmin(_squared_distances(features, centroids), axis=1)
+  return _nearest(_squared_distances(features, centroids), offsets)
+
+
+def _nearest(distances: np.ndarray, offsets: np.ndarray | None
+             ) -> np.ndarray:
+  """argmin over clusters of distances [n, k] (+ offsets [k])."""
+  if offsets is not None:
+    distances = distances + offsets[None, :]
+  return np.argmin(distances, axis=1)
+
+
+def balance_offsets(features: np.ndarray, centroids: np.ndarray,
+                    weights: np.ndarray,
+                    sweeps: int = BALANCE_SWEEPS) -> np.ndarray:
+  """Per-centroid offsets [k] that give each cluster about 1/k of `weights`.
+
+  k-means on text often puts most of a corpus in one cluster (one kind of
+  text dominates); islands built on such clusters differ more in size than
+  in kind. Assigning each point to its nearest centroid after adding an
+  offset per centroid keeps the clusters' shapes (points still go where
+  they are closest, up to the offsets) while moving their boundaries until
+  each holds 1/k of the weight (e.g. tokens). Because the rule is per
+  point, a stream can apply it document by document.
+
+  The offsets come from coordinate sweeps: cluster c's offset is set, with
+  the others fixed, to the value at which its members' weight comes closest
+  to 1/k (a point joins c iff its distance to c plus c's offset beats its
+  best other choice, so this is a threshold on one sorted list). Returns the
+  offsets of the best-balanced sweep, float64.
+  """
+  distances = _squared_distances(features, centroids).astype(np.float64)
+  weights = np.asarray(weights, dtype=np.float64)
+  k = distances.shape[1]
+  target = weights.sum() / k
+  offsets = np.zeros(k)
+  if k == 1:  # one cluster holds everything already
+    return offsets
+  best, best_error = offsets.copy(), np.inf
+  for _ in range(sweeps):
+    for cluster in range(k):
+      others = np.delete(distances + offsets[None, :], cluster, axis=1)
+      # Point i joins `cluster` iff offset < thresholds[i].
+      thresholds = others.min(axis=1) - distances[:, cluster]
+      order = np.argsort(-thresholds, kind="stable")
+      members_weight = np.cumsum(weights[order])
+      count = 1 + int(np.argmin(np.abs(members_weight - target)))
+      below = (thresholds[order[count]] if count < len(order)
+               else thresholds[order[-1]] - 1.0)
+      offsets[cluster] = 0.5 * (thresholds[order[count - 1]] + below)
+    shares = np.bincount(_nearest(distances, offsets), weights=weights,
+                         minlength=k)
+    error = np.abs(shares - target).max()
+    if error < best_error:
+      best, best_error = offsets.copy(), error
+    if error <= BALANCE_TOLERANCE * target:
+      break
+  return best
 
 
 def kmeans(features: np.ndarray, k: int, seed: int,
@@ -121,7 +184,15 @@ def kmeans(features: np.ndarray, k: int, seed: int,
 
 
 def cluster_documents(documents: Sequence[bytes | np.ndarray], k: int,
-                      seed: int) -> np.ndarray:
-  """Cluster label in [0, k) of each document, [num_documents] int64."""
+                      seed: int, weights: np.ndarray | None = None
+                      ) -> np.ndarray:
+  """Cluster label in [0, k) of each document, [num_documents] int64.
+
+  With `weights` (e.g. each document's token count), the clusters are
+  balanced to about 1/k of the total weight each (`balance_offsets`).
+  """
   features = hashed_ngram_features(documents)
-  return assign(features, kmeans(features, k, seed))
+  centroids = kmeans(features, k, seed)
+  offsets = (None if weights is None
+             else balance_offsets(features, centroids, weights))
+  return assign(features, centroids, offsets)

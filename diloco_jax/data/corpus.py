@@ -103,28 +103,35 @@ def build_island_sequences(data_config, num_islands: int, seed: int
   """The train split clustered into `num_islands` disjoint parts, packed.
 
   Train documents are clustered on hashed byte (or, for synthetic, token)
-  n-gram features with k-means (k = num_islands, seeded by `seed`); island
-  i's documents are packed, in corpus order, into its own sequences. Returns
-  one [num_sequences_i, L+1] uint16 array per island.
+  n-gram features with k-means (k = num_islands, seeded by `seed`), for
+  island_split 'clustered_balanced' with the clusters' boundaries moved so
+  that each holds about 1/num_islands of the tokens; island i's documents
+  are packed, in corpus order, into its own sequences. Returns one
+  [num_sequences_i, L+1] uint16 array per island.
   """
   validate_data_config(data_config)
   _refuse_streamed(data_config)
   documents = _read_documents(data_config)
+  split = island_split(data_config)
   if documents.validation is None:
     raise errors.DataError(
-        "config.data.island_split='clustered' needs a corpus of several "
+        f"config.data.island_split={split!r} needs a corpus of several "
         "documents; config.data.path names a single file")
   if len(documents.train) < num_islands:
     raise errors.DataError(
-        f"config.data.island_split='clustered': {len(documents.train)} train "
+        f"config.data.island_split={split!r}: {len(documents.train)} train "
         f"documents cannot form {num_islands} clusters")
-  labels = clustering.cluster_documents(documents.train, num_islands, seed)
   encode, _, eos_id = _encoder(data_config, documents)
+  encoded = [encode(document) for document in documents.train]
+  tokens = None
+  if split == "clustered_balanced":
+    tokens = np.array([ids.size + 1 for ids in encoded], np.float64)  # + EOS
+  labels = clustering.cluster_documents(documents.train, num_islands, seed,
+                                        weights=tokens)
   return [
       packing.pack_documents(
-          (encode(document)
-           for document, label in zip(documents.train, labels)
-           if label == island), eos_id, data_config.sequence_length)
+          (ids for ids, label in zip(encoded, labels) if label == island),
+          eos_id, data_config.sequence_length)
       for island in range(num_islands)]
 
 

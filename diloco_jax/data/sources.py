@@ -94,9 +94,10 @@ class InMemoryBatchSource:
   def island_token_weights(self) -> np.ndarray:
     """Each island's share of the train tokens it samples from.
 
-    iid: every island samples the whole corpus, 1 / islands each. clustered:
-    island i's cluster tokens / all train tokens, so that the token-weighted
-    outer average weighs each cluster as much as the corpus holds of it.
+    iid: every island samples the whole corpus, 1 / islands each.
+    clustered (balanced or not): island i's cluster tokens / all train
+    tokens, so that the token-weighted outer average weighs each cluster as
+    much as the corpus holds of it.
     """
     return self._token_weights.copy()
 
@@ -188,13 +189,14 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
                       seed: int, split: str) -> BatchSource:
   tokenizer = tokenizer_lib.build_tokenizer(data_config)
   documents = _c4_documents(data_config, "train", min_shards=num_islands)
-  centroids, weights = None, None
-  if split == "clustered":
-    centroids, weights = streaming.fit_centroids(
-        documents, num_islands, seed, tokenizer, CENTROID_SAMPLE_DOCUMENTS)
+  clusters = None
+  if split != "iid":
+    clusters = streaming.fit_clusters(
+        documents, num_islands, seed, tokenizer, CENTROID_SAMPLE_DOCUMENTS,
+        balanced=split == "clustered_balanced")
   source = streaming.StreamingIslandBatches(
       documents, num_islands, batch_size, data_config.sequence_length,
-      tokenizer, seed, centroids=centroids, token_weights=weights)
+      tokenizer, seed, clusters=clusters)
   source.info = SourceInfo(name=_c4_name(data_config),
                            vocab_size=tokenizer.vocab_size,
                            eos_id=tokenizer.eos_id, island_split=split)

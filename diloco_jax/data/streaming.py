@@ -9,9 +9,11 @@ Which shards an island reads:
 - "iid": island i owns the shards with index % num_islands == i, disjoint
   from every other island's.
 - "clustered": every island scans every shard and keeps the documents whose
-  nearest centroid is its own (centroids fitted by `fit_centroids` on a
+  nearest centroid is its own (centroids fitted by `fit_clusters` on a
   sample from the first shards). Each island reads the whole corpus, so
   reading costs num_islands times as much as iid; the clusters are disjoint.
+- "clustered_balanced": the same, with per-centroid offsets fitted on the
+  sample so that each cluster holds about 1/num_islands of its tokens.
 Each island visits its shards in a seeded order, new every epoch:
 np.random.default_rng([seed, island, epoch]).permutation.
 
@@ -24,7 +26,7 @@ tokens left over are recomputed, not stored). Restoring a gzip shard reads it
 from its start up to the offset.
 """
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,7 +34,9 @@ from diloco_jax.data import clustering
 from diloco_jax.data import errors
 from diloco_jax.data import packing
 
-ISLAND_SPLITS = ("iid", "clustered")
+# "clustered_balanced": the same clusters with boundaries moved so that each
+# holds about 1/k of the tokens (clustering.balance_offsets).
+ISLAND_SPLITS = ("iid", "clustered", "clustered_balanced")
 _STATE_KEYS = ("epoch", "shard_position", "offset", "token_offset")
 
 
@@ -53,6 +57,20 @@ class Tokenizer(Protocol):
 
   def encode(self, text: bytes | str) -> np.ndarray:
     ...
+
+
+class Clusters(NamedTuple):
+  """How a stream's documents are split among islands.
+
+  Attributes:
+    centroids: [k, buckets] k-means centroids of hashed n-gram features.
+    offsets: [k] added to each centroid's distance (balanced clusters), or
+      None (plain nearest centroid).
+    token_shares: [k] each cluster's share of the sample's tokens, sum 1.
+  """
+  centroids: np.ndarray
+  offsets: np.ndarray | None
+  token_shares: np.ndarray
 
 
 class _IslandStream:
@@ -151,15 +169,14 @@ class StreamingIslandBatches:
 
   def __init__(self, documents: DocumentShards, num_islands: int,
                batch_size: int, sequence_length: int, tokenizer: Tokenizer,
-               seed: int, centroids: np.ndarray | None = None,
-               token_weights: np.ndarray | None = None):
+               seed: int, clusters: Clusters | None = None):
     if num_islands < 1 or batch_size < 1:
       raise ValueError(f"num_islands ({num_islands}) and batch_size "
                        f"({batch_size}) must be positive")
     self._num_islands = num_islands
     self._batch_size = batch_size
     self._chunk_length = sequence_length + 1
-    if centroids is None:
+    if clusters is None:
       if documents.num_shards < num_islands:
         raise errors.DataError(
             f"config.data.path: {documents.num_shards} train shard(s) for "
@@ -170,16 +187,16 @@ class StreamingIslandBatches:
       keeps = [None] * num_islands
     else:
       owned = [range(documents.num_shards)] * num_islands
-      keeps = [_cluster_filter(centroids, island)
+      keeps = [_cluster_filter(clusters, island)
                for island in range(num_islands)]
     self._islands = [
         _IslandStream(documents, owned[island], island, seed, tokenizer,
                       keeps[island]) for island in range(num_islands)]
-    if token_weights is None:
-      # iid shards are statistically alike and every island reads the same
-      # number of tokens per step: equal weights.
-      token_weights = np.full(num_islands, 1.0 / num_islands)
-    self._token_weights = np.asarray(token_weights, dtype=np.float64)
+    # iid shards are statistically alike and every island reads the same
+    # number of tokens per step: equal weights.
+    self._token_weights = (np.full(num_islands, 1.0 / num_islands)
+                           if clusters is None else
+                           np.asarray(clusters.token_shares, np.float64))
 
   def next_batch(self) -> np.ndarray:
     """The next batch of every island, int32."""
@@ -213,23 +230,24 @@ class StreamingIslandBatches:
     return self._token_weights.copy()
 
 
-def _cluster_filter(centroids: np.ndarray, island: int
+def _cluster_filter(clusters: Clusters, island: int
                     ) -> Callable[[str], bool]:
   def keep(text: str) -> bool:
     features = clustering.hashed_ngram_features(
-        [text.encode("utf-8")], num_buckets=centroids.shape[1])
-    return int(clustering.assign(features, centroids)[0]) == island
+        [text.encode("utf-8")], num_buckets=clusters.centroids.shape[1])
+    return int(clustering.assign(features, clusters.centroids,
+                                 clusters.offsets)[0]) == island
   return keep
 
 
-def fit_centroids(documents: DocumentShards, num_islands: int, seed: int,
-                  tokenizer: Tokenizer, sample_documents: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-  """k-means centroids from the first documents, and each cluster's share.
+def fit_clusters(documents: DocumentShards, num_islands: int, seed: int,
+                 tokenizer: Tokenizer, sample_documents: int,
+                 balanced: bool = False) -> Clusters:
+  """k-means clusters of the first documents, balanced by tokens if asked.
 
   The sample is the first `sample_documents` documents of the shards in
   index order (shard 0 first): fixed, so every restart fits the same
-  centroids. Returns (centroids [k, buckets], token shares [k] summing to 1).
+  clusters.
   """
   texts = []
   for shard in range(documents.num_shards):
@@ -241,22 +259,24 @@ def fit_centroids(documents: DocumentShards, num_islands: int, seed: int,
       break
   if len(texts) < num_islands:
     raise errors.DataError(
-        f"config.data.island_split='clustered': the train shards hold "
-        f"{len(texts)} documents, fewer than {num_islands} islands")
+        f"config.data.island_split: the train shards hold {len(texts)} "
+        f"documents, fewer than {num_islands} islands")
   encoded = [text.encode("utf-8") for text in texts]
+  tokens = np.array([tokenizer.encode(text).size + 1 for text in texts],
+                    dtype=np.float64)  # + EOS
   features = clustering.hashed_ngram_features(encoded)
   centroids = clustering.kmeans(features, num_islands, seed)
-  labels = clustering.assign(features, centroids)
-  token_counts = np.zeros(num_islands)
-  for label, text in zip(labels, texts):
-    token_counts[label] += tokenizer.encode(text).size + 1  # + EOS
+  offsets = (clustering.balance_offsets(features, centroids, tokens)
+             if balanced else None)
+  labels = clustering.assign(features, centroids, offsets)
+  token_counts = np.bincount(labels, weights=tokens, minlength=num_islands)
   empty = np.flatnonzero(token_counts == 0)
   if empty.size:
     raise errors.DataError(
-        f"config.data.island_split='clustered': clusters "
-        f"{empty.tolist()} got no document of the {len(texts)}-document "
-        f"sample; the corpus has fewer than {num_islands} distinct kinds")
-  return centroids, token_counts / token_counts.sum()
+        f"config.data.island_split: clusters {empty.tolist()} got no "
+        f"document of the {len(texts)}-document sample; the corpus has "
+        f"fewer than {num_islands} distinct kinds")
+  return Clusters(centroids, offsets, token_counts / token_counts.sum())
 
 
 def eval_sequences(documents: DocumentShards, tokenizer: Tokenizer,
