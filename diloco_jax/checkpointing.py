@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from diloco_jax import guards
 from diloco_jax import integrity
@@ -200,11 +201,14 @@ class Checkpointer:
     """
     if not steps or self._read_only:
       return
-    aside = self.directory + ".unreadable"
-    os.makedirs(aside, exist_ok=True)
-    for step in steps:
-      os.replace(os.path.join(self.directory, str(step)),
-                 os.path.join(aside, f"{step}.{int(time.time())}"))
+    if jax.process_index() == 0:  # one process moves; all wait for it
+      aside = self.directory + ".unreadable"
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        os.replace(os.path.join(self.directory, str(step)),
+                   os.path.join(aside, f"{step}.{int(time.time())}"))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("checkpoints set aside")
     self._manager.reload()
 
   def wait(self) -> None:

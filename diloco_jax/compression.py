@@ -41,6 +41,7 @@ from jax.flatten_util import ravel_pytree
 from diloco_jax import codecs
 from diloco_jax import communication
 from diloco_jax import lowrank
+from diloco_jax import multihost
 from diloco_jax import sparse
 from diloco_jax.mesh import ISLANDS
 
@@ -438,4 +439,6 @@ def rank_indices(codec_state) -> list[int] | None:
   """The per-matrix ladder indices in a low-rank codec state (host ints)."""
   if not codec_state:
     return None
-  return [int(s["rank_index"]) for s in jax.device_get(codec_state)]
+  # Only the indices cross to the host, not the bases beside them.
+  return [int(index) for index in multihost.fetch(
+      [s["rank_index"] for s in codec_state])]

@@ -26,16 +26,26 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for metrics.jsonl, summary.json, TensorBoard.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
-    "host:port of process 0, for multi-host runs (jax.distributed).")
+    "host:port of process 0, for multi-host runs (jax.distributed; default: "
+    "$JAX_COORDINATOR_ADDRESS, or what JAX detects on SLURM, TPU, Open MPI).")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Number of processes in a multi-host run.")
+    "num_processes", None,
+    "Number of processes in a multi-host run (default: $JAX_NUM_PROCESSES "
+    "or detected).")
 _PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "This process's index in a multi-host run.")
+    "process_id", None,
+    "This process's index in a multi-host run (default: $JAX_PROCESS_ID or "
+    "detected).")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 30,
+    "Multi-host: a process silent this long is declared dead and the others "
+    "stop with an error instead of waiting for it.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", None,
-    "Host CPU devices to create (default: one island slot per island, "
-    "islands x data x stage). Islands fold onto fewer: --cpu_devices=1 runs "
-    "them all on one device. Ignored when XLA_FLAGS sets "
+    "Host CPU devices each process creates (default: one island slot per "
+    "island, islands x data x stage, divided among the processes). Islands "
+    "fold onto fewer: --cpu_devices=1 runs a process's islands on one "
+    "device. Ignored when XLA_FLAGS sets "
     "--xla_force_host_platform_device_count.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -50,23 +60,25 @@ def _configure_devices(config) -> None:
   this only adds host CPU devices beside the accelerators, which do no
   harm.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from diloco_jax import validation  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from diloco_jax import multihost
+  from diloco_jax import validation
+  # pylint: enable=g-import-not-at-top
   if "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
     count = _CPU_DEVICES.value
     if count is None:
       try:
-        count = int(validation.effective_islands(config)
+        slots = int(validation.effective_islands(config)
                     * validation.devices_per_island(config))
       except (TypeError, ValueError):
-        count = 1  # validation will name the bad field
+        slots = 1  # validation will name the bad field
+      processes = multihost.process_count_hint(_NUM_PROCESSES.value)
+      count = -(-slots // processes)  # this process's share, rounded up
     jax.config.update("jax_num_cpu_devices", max(count, 1))
-  if _COORDINATOR.value:
-    jax.distributed.initialize(
-        coordinator_address=_COORDINATOR.value,
-        num_processes=_NUM_PROCESSES.value,
-        process_id=_PROCESS_ID.value)
+  multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
+                       _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value)
 
 
 class _QuietLibraries:

@@ -91,7 +91,7 @@ class MetricsWriter:
         if (key != "step" and isinstance(value, (int, float))
             and math.isfinite(value)):
           self._tensorboard.add_scalar(key, value, record["step"])
-    self._maybe_log(record)
+      self._maybe_log(record)  # one progress line per run, not per process
 
   def truncate(self, last_step: int) -> None:
     """Drops the records after `last_step` (a rollback takes them again)."""

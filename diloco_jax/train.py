@@ -39,6 +39,7 @@ from diloco_jax import guards
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
+from diloco_jax import multihost
 from diloco_jax import optimizers
 from diloco_jax import programs as programs_lib
 from diloco_jax import state_spec as state_spec_lib
@@ -458,19 +459,26 @@ def _train(config, workdir: str, devices, launch_time: float,
   batch_size = config.data.batch_size
 
   phase_start = time.perf_counter()
+  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
+                             devices)
+  batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
+      mesh, islands, batch_size, seq_len, config.eval.batch_size)
+  # Each process reads the data of its own islands only.
+  held = multihost.local_islands(batch_shape.sharding, batch_shape.shape)
   batches = sources.make_batch_source(config.data, islands, batch_size,
-                                      seed=config.data.seed)
+                                      seed=config.data.seed, islands=held)
   eval_set = sources.make_eval_batches(config.data, config.eval.batch_size,
                                        config.eval.num_batches)
   # The outer mean weights island i by the tokens it processed this round
   # times its cluster's share of the corpus (uniform for iid islands), so the
   # averaged update stands for the whole data distribution.
   island_shares = batches.island_token_weights() * islands
-  logging.info("data ready in %.1fs", time.perf_counter() - phase_start)
+  logging.info("data ready in %.1fs (islands %d..%d on this process)",
+               time.perf_counter() - phase_start, held.start, held.stop - 1)
   phase_start = time.perf_counter()
-
-  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
-                             devices)
+  place_batch = functools.partial(multihost.global_batch,
+                                  sharding=batch_shape.sharding,
+                                  global_shape=batch_shape.shape)
   fsdp = config.mesh.fsdp
   loss_fn = functools.partial(model_lib.next_token_loss,
                               model_lib.graphdef(config.model))
@@ -535,8 +543,6 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     # The steps compile from shapes in the background while the state is
     # initialized and the rest is set up.
-    batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
-        mesh, islands, batch_size, seq_len, config.eval.batch_size)
     compiling = programs_lib.compile_in_background(
         config, mesh, loss_fn, inner_opt, outer_opt, compression,
         _with_shardings(abstract_state, state_shardings), batch_shape,
@@ -550,7 +556,7 @@ def _train(config, workdir: str, devices, launch_time: float,
                    "taken again", dropped, start_step)
     _restore_data_positions(batches, meta, islands)
     eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
-    next_batch = _place(batches.next_batch(), batch_shape.sharding)
+    next_batch = place_batch(batches.next_batch())
     learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
                                                     total_steps)
     if jax.process_index() == 0:
@@ -591,7 +597,8 @@ def _train(config, workdir: str, devices, launch_time: float,
       nonlocal saved_step
       writer.flush()  # metrics up to `step` reach the file before the state
       checkpointer.save(step, state, {
-          **progress.to_meta(), "step": step, "data": data_state,
+          **progress.to_meta(), "step": step,
+          "data": multihost.merge_island_states(data_state, held, islands),
           "param_shapes": param_shapes_record, "state_layout": state_layout,
           "config": config_record,
       }, programs.inspect_state)
@@ -600,7 +607,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     def finish_record(record: dict, step_metrics) -> None:
       """Writes a step's record once its metrics are fetched; raises
       NonFiniteError after writing it if an island diverged."""
-      step_metrics = jax.device_get(step_metrics)
+      step_metrics = multihost.fetch(step_metrics)
       record["train_loss"] = float(np.mean(step_metrics["loss"]))
       record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
       writer.write(record)
@@ -652,7 +659,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     startup_s = None
     step = start_step
     while step < total_steps:
-      if signals.requested:
+      if multihost.any_process(signals.requested):
         if pending is not None:
           finish_record(*pending)
         if step > start_step and saved_step != step:
@@ -663,7 +670,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       step += 1
       try:
         if next_batch is None:  # the prepared one was used before a rollback
-          next_batch = _place(batches.next_batch(), batch_shape.sharding)
+          next_batch = place_batch(batches.next_batch())
         state, step_metrics = inner_step(state, next_batch)
         next_batch = None
         if startup_s is None:  # launch to the first inner step's result
@@ -679,7 +686,7 @@ def _train(config, workdir: str, devices, launch_time: float,
           progress.comm_bytes += ddp_step_bytes
           progress.fp32_comm_bytes += ddp_step_bytes
         if step < total_steps:  # prepare the next batch while this step runs
-          next_batch = _place(batches.next_batch(), batch_shape.sharding)
+          next_batch = place_batch(batches.next_batch())
         if pending is not None:
           finish_record(*pending)
           pending = None

@@ -40,10 +40,15 @@ def _metrics(workdir):
 
 
 def _final_state(workdir):
+  """The newest checkpoint's state as numpy arrays (whatever devices and
+  processes saved it)."""
   path = os.path.join(workdir, "checkpoints")
   step = max(int(s) for s in os.listdir(path) if s.isdigit())
-  return ocp.PyTreeCheckpointer().restore(os.path.join(path, str(step),
-                                                       "state"))
+  checkpointer = ocp.PyTreeCheckpointer()
+  state_path = os.path.join(path, str(step), "state")
+  metadata = checkpointer.metadata(state_path).item_metadata
+  return checkpointer.restore(state_path, restore_args=jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata))
 
 
 def _assert_identical_runs(a, b):

@@ -103,26 +103,31 @@ class InMemoryBatchSource:
 
 
 def make_batch_source(data_config, num_islands: int, batch_size: int,
-                      seed: int) -> BatchSource:
+                      seed: int, islands: range | None = None
+                      ) -> BatchSource:
   """The batch source for config.data, validated first (DataError).
 
+  With `islands` (a consecutive range: a process's own islands in a
+  multi-process run) batches hold only those islands' rows, the same rows
+  the source of all islands gives them; token weights still cover all.
   A streamed corpus reads its first batch here too, so an unreadable first
   shard fails before the training step is compiled.
   """
   corpus_lib.validate_data_config(data_config)
   split = corpus_lib.island_split(data_config)
   if data_config.corpus in corpus_lib.STREAMED_CORPORA:
-    return _streaming_source(data_config, num_islands, batch_size, seed, split)
+    return _streaming_source(data_config, num_islands, batch_size, seed,
+                             split, islands)
   corpus = _cached_corpus(data_config)
   if split == "iid":
     batches = streams.IslandBatches(corpus.train, num_islands, batch_size,
-                                    seed=seed)
+                                    seed=seed, islands=islands)
     weights = np.full(num_islands, 1.0 / num_islands)
   else:
     island_sequences = corpus_lib.build_island_sequences(
         data_config, num_islands, seed)
     batches = streams.ClusteredIslandBatches(island_sequences, batch_size,
-                                             seed=seed)
+                                             seed=seed, islands=islands)
     tokens = np.array([sequences.size for sequences in island_sequences],
                       dtype=np.float64)
     weights = tokens / tokens.sum()
@@ -186,7 +191,8 @@ def _c4_name(data_config) -> str:
 
 
 def _streaming_source(data_config, num_islands: int, batch_size: int,
-                      seed: int, split: str) -> BatchSource:
+                      seed: int, split: str, islands: range | None
+                      ) -> BatchSource:
   tokenizer = tokenizer_lib.build_tokenizer(data_config)
   documents = _c4_documents(data_config, "train", min_shards=num_islands)
   clusters = None
@@ -196,7 +202,7 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
         balanced=split == "clustered_balanced")
   source = streaming.StreamingIslandBatches(
       documents, num_islands, batch_size, data_config.sequence_length,
-      tokenizer, seed, clusters=clusters)
+      tokenizer, seed, clusters=clusters, islands=islands)
   source.info = SourceInfo(name=_c4_name(data_config),
                            vocab_size=tokenizer.vocab_size,
                            eos_id=tokenizer.eos_id, island_split=split)

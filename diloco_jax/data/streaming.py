@@ -161,15 +161,18 @@ class _IslandStream:
 
 
 class StreamingIslandBatches:
-  """Batches [num_islands, batch_size, sequence_length + 1] from a stream.
+  """Batches [islands, batch_size, sequence_length + 1] from a stream.
 
   Implements the batch-source protocol of `sources`: next_batch, state,
-  restore, island_token_weights.
+  restore, island_token_weights. With `islands` (a process's own, in a
+  multi-process run) only those islands' streams are read; their batches
+  and positions are those a single process would have for them.
   """
 
   def __init__(self, documents: DocumentShards, num_islands: int,
                batch_size: int, sequence_length: int, tokenizer: Tokenizer,
-               seed: int, clusters: Clusters | None = None):
+               seed: int, clusters: Clusters | None = None,
+               islands: range | None = None):
     if num_islands < 1 or batch_size < 1:
       raise ValueError(f"num_islands ({num_islands}) and batch_size "
                        f"({batch_size}) must be positive")
@@ -189,9 +192,10 @@ class StreamingIslandBatches:
       owned = [range(documents.num_shards)] * num_islands
       keeps = [_cluster_filter(clusters, island)
                for island in range(num_islands)]
+    self._held = range(num_islands) if islands is None else islands
     self._islands = [
         _IslandStream(documents, owned[island], island, seed, tokenizer,
-                      keeps[island]) for island in range(num_islands)]
+                      keeps[island]) for island in self._held]
     # iid shards are statistically alike and every island reads the same
     # number of tokens per step: equal weights.
     self._token_weights = (np.full(num_islands, 1.0 / num_islands)
@@ -199,20 +203,28 @@ class StreamingIslandBatches:
                            np.asarray(clusters.token_shares, np.float64))
 
   def next_batch(self) -> np.ndarray:
-    """The next batch of every island, int32."""
+    """The next batch of every island held, int32."""
     per_island = self._batch_size * self._chunk_length
     return np.stack([
         island.take(per_island).reshape(self._batch_size, self._chunk_length)
         for island in self._islands]).astype(np.int32)
 
   def state(self) -> dict:
-    """JSON-serializable: {"islands": [position of each island]}."""
+    """JSON-serializable: {"islands": [position of each island held]}."""
     return {"islands": [island.state() for island in self._islands]}
 
   def restore(self, state: dict) -> None:
-    """Continues exactly where the source that returned `state` was."""
+    """Continues exactly where the source that returned `state` was.
+
+    `state` lists every island's position (as a checkpoint holds them: a
+    multi-process run merges its processes' states before saving), or those
+    of the islands held (as `state()` gives them); the islands held take
+    theirs.
+    """
     islands = state.get("islands") if isinstance(state, dict) else None
-    if not isinstance(islands, list) or len(islands) != self._num_islands:
+    if isinstance(islands, list) and len(islands) == self._num_islands:
+      islands = islands[self._held.start:self._held.stop]
+    if not isinstance(islands, list) or len(islands) != len(self._held):
       raise errors.DataError(
           f"data state holds {len(islands) if isinstance(islands, list) else 0}"
           f" island positions, expected {self._num_islands} (was the number "

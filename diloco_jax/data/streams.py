@@ -1,7 +1,9 @@
 """Deterministic, resumable batch streams for islands, and fixed eval batches.
 
 A batch is a pure function of the step number, so resuming a run needs only
-the step: no iterator state is checkpointed.
+the step: no iterator state is checkpointed. A process of a multi-process run
+builds only the batches of its own islands (`islands`), the same rows a
+single process would build for them.
 """
 import numpy as np
 
@@ -21,7 +23,7 @@ class IslandBatches:
   """
 
   def __init__(self, sequences: np.ndarray, num_islands: int, batch_size: int,
-               seed: int):
+               seed: int, islands: range | None = None):
     if sequences.ndim != 2:
       raise ValueError(
           f"sequences must be [num_sequences, length], got {sequences.shape}")
@@ -37,6 +39,7 @@ class IslandBatches:
           f"{num_islands * batch_size} sequences")
     self._sequences = sequences
     self._num_islands = num_islands
+    self._islands = _island_range(islands, num_islands)
     self._batch_size = batch_size
     self._seed = seed
     self._steps_per_epoch = sequences_per_island // batch_size
@@ -49,13 +52,15 @@ class IslandBatches:
     return self._steps_per_epoch
 
   def batch(self, step: int) -> np.ndarray:
-    """The batches of all islands at `step`: [num_islands, batch_size, L+1]."""
+    """The batches of this source's islands at `step`: [islands, batch_size,
+    L+1] (all islands unless `islands` named some)."""
     if step < 0:
       raise ValueError(f"step must be non-negative, got {step}")
     epoch, step_in_epoch = divmod(step, self._steps_per_epoch)
     order = self._epoch_order(epoch)
     rows = order[step_in_epoch * self._batch_size:
-                 (step_in_epoch + 1) * self._batch_size]
+                 (step_in_epoch + 1) * self._batch_size,
+                 self._islands.start:self._islands.stop]
     # rows[j, i] is island i's j-th sequence of this step; islands lead.
     return self._sequences[rows.T].astype(np.int32)
 
@@ -99,7 +104,7 @@ class ClusteredIslandBatches:
   """
 
   def __init__(self, island_sequences: list[np.ndarray], batch_size: int,
-               seed: int):
+               seed: int, islands: range | None = None):
     if batch_size < 1:
       raise ValueError(f"batch_size must be positive, got {batch_size}")
     for island, sequences in enumerate(island_sequences):
@@ -109,6 +114,7 @@ class ClusteredIslandBatches:
             f"{sequences.shape[0]} sequences, fewer than one batch of "
             f"{batch_size}")
     self._island_sequences = island_sequences
+    self._islands = _island_range(islands, len(island_sequences))
     self._batch_size = batch_size
     self._seed = seed
     self._orders = {}  # island -> (epoch, permutation) of the last use
@@ -118,11 +124,12 @@ class ClusteredIslandBatches:
     return self._island_sequences[island].shape[0] // self._batch_size
 
   def batch(self, step: int) -> np.ndarray:
-    """The batches of all islands at `step`: [num_islands, batch_size, L+1]."""
+    """The batches of this source's islands at `step`: [islands, batch_size,
+    L+1] (all islands unless `islands` named some)."""
     if step < 0:
       raise ValueError(f"step must be non-negative, got {step}")
     return np.stack([self._island_batch(island, step)
-                     for island in range(len(self._island_sequences))])
+                     for island in self._islands])
 
   def _island_batch(self, island: int, step: int) -> np.ndarray:
     epoch, step_in_epoch = divmod(step, self.steps_per_epoch(island))
@@ -136,3 +143,13 @@ class ClusteredIslandBatches:
     rows = cached[1][step_in_epoch * self._batch_size:
                      (step_in_epoch + 1) * self._batch_size]
     return self._island_sequences[island][rows].astype(np.int32)
+
+
+def _island_range(islands: range | None, num_islands: int) -> range:
+  """`islands` (default: all), checked to lie within [0, num_islands)."""
+  if islands is None:
+    return range(num_islands)
+  if islands.step != 1 or not 0 <= islands.start < islands.stop <= num_islands:
+    raise ValueError(f"islands must be a consecutive range within "
+                     f"[0, {num_islands}), got {islands}")
+  return islands

@@ -1,0 +1,262 @@
+"""Several processes, one run: islands spread over processes as over hosts.
+
+The end-to-end tests start real runs through `python -m diloco_jax.launch`
+(jax.distributed over local CPU processes, gloo collectives) and compare
+them with the same islands in one process: metrics and final states must
+agree (to float summation order: see _assert_close_runs), a stopped or
+killed run must resume to the bit-identical run, and a killed process must
+stop the run within a bounded time instead of hanging it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from diloco_jax import multihost
+from diloco_jax.data import sources
+from tests import helpers
+from tests import test_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": REPO}
+# A killed process: the launcher's grace period (10 s) plus the poll and
+# process exit; measured about 10.3 s.
+KILL_BOUND_S = 30
+
+
+# Islands a process holds, and its share of the data.
+
+
+class _Sharding:
+  """What local_islands reads of a sharding: the indices of this process's
+  devices (a real one has them only in a multi-process run)."""
+
+  def __init__(self, indices):
+    self._indices = indices
+
+  def addressable_devices_indices_map(self, shape):
+    del shape
+    return dict(enumerate(self._indices))
+
+
+def test_local_islands_of_folded_and_spanning_islands():
+  whole = (slice(None), slice(None))
+  # 8 islands, this process's 2 device slots hold islands 2-3 and 4-5.
+  assert multihost.local_islands(
+      _Sharding([(slice(2, 4),) + whole, (slice(4, 6),) + whole]),
+      (8, 4, 33)) == range(2, 6)
+  # One island over all devices: every process holds it.
+  assert multihost.local_islands(
+      _Sharding([(slice(None), slice(0, 2), slice(None))]),
+      (1, 4, 33)) == range(0, 1)
+  with pytest.raises(ValueError, match="not consecutive"):
+    multihost.local_islands(
+        _Sharding([(slice(0, 1),) + whole, (slice(2, 3),) + whole]),
+        (4, 4, 33))
+
+
+def _write_c4(directory, shards=4, documents=24):
+  words = ("river", "mill", "letter", "mountain", "inn", "spring", "week")
+  for shard in range(shards):
+    lines = [json.dumps({"text": " ".join(
+        words[(shard + i + j) % len(words)] for j in range(40 + i))})
+             for i in range(documents)]
+    (directory / f"c4-train.{shard:05d}-of-{shards:05d}.jsonl").write_text(
+        "\n".join(lines) + "\n")
+  (directory / "c4-validation.00000-of-00001.jsonl").write_text(
+      json.dumps({"text": " ".join(words * 20)}) + "\n")
+
+
+@pytest.mark.parametrize("corpus,split", [
+    ("synthetic", "iid"), ("synthetic", "clustered"), ("c4", "iid"),
+    ("c4", "clustered_balanced")])
+def test_a_process_reads_the_rows_of_its_own_islands(tmp_path, corpus, split):
+  if corpus == "c4":
+    _write_c4(tmp_path)
+  config = helpers.small_data_config(corpus=corpus, path=str(tmp_path),
+                                     island_split=split,
+                                     validation_fraction=0.2)
+  every = sources.make_batch_source(config, 4, batch_size=2, seed=0)
+  mine = sources.make_batch_source(config, 4, batch_size=2, seed=0,
+                                   islands=range(1, 3))
+  for _ in range(5):
+    np.testing.assert_array_equal(mine.next_batch(), every.next_batch()[1:3])
+  np.testing.assert_array_equal(mine.island_token_weights(),
+                                every.island_token_weights())
+  # A restart restores the merged state of every island and goes on.
+  merged = multihost.merge_island_states(every.state(), range(4), 4)
+  again = sources.make_batch_source(config, 4, batch_size=2, seed=0,
+                                    islands=range(1, 3))
+  again.restore(json.loads(json.dumps(merged)))
+  np.testing.assert_array_equal(again.next_batch(), every.next_batch()[1:3])
+
+
+def test_one_process_needs_no_setup(monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+               "JAX_PROCESS_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+               "TPU_WORKER_HOSTNAMES"):
+    monkeypatch.delenv(name, raising=False)
+  assert multihost.process_count_hint() == 1
+  assert not multihost.initialize()
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert multihost.process_count_hint() == 4
+  assert multihost.process_count_hint(2) == 2  # the flag wins
+  assert multihost.any_process(True) and not multihost.any_process(False)
+  assert multihost.gather_json({"a": 1}) == [{"a": 1}]
+
+
+# Real runs over several processes.
+
+
+def _flags(workdir, *extra):
+  return ["--config=configs/tiny.py", f"--workdir={workdir}",
+          "--config.total_steps=12", "--config.diloco.inner_steps=3",
+          "--config.checkpoint.every_steps=2",
+          "--config.checkpoint.max_to_keep=20", *extra]
+
+
+def _launch(processes, workdir, *extra, **popen):
+  return subprocess.Popen(
+      [sys.executable, "-m", "diloco_jax.launch", f"--processes={processes}",
+       "--", *_flags(workdir, *extra)], cwd=REPO, env=ENV,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _run(processes, workdir, *extra):
+  process = _launch(processes, workdir, *extra)
+  output, _ = process.communicate(timeout=300)
+  assert process.returncode == 0, output[-3000:]
+  return output
+
+
+def _one_process(workdir, *extra):
+  result = subprocess.run(
+      [sys.executable, "-m", "diloco_jax.main", *_flags(workdir, *extra)],
+      cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _wait_for_step(workdir, process, step):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 240
+  while time.time() < deadline and process.poll() is None:
+    if os.path.exists(path):
+      with open(path) as f:
+        if sum(1 for _ in f) >= step:
+          return
+    time.sleep(0.05)
+  raise AssertionError(f"the run ended or stalled before step {step}")
+
+
+_C4_FLAGS = ("--config.data.corpus=c4", "--config.model.vocab_size=257",
+             "--config.diloco.islands=4")
+
+
+@pytest.fixture(scope="module")
+def c4_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp("c4")
+  _write_c4(directory, shards=8)
+  return str(directory)
+
+
+@pytest.fixture(scope="module")
+def one_process_c4(tmp_path_factory, c4_dir):
+  """4 islands of a streamed corpus in one process: the reference."""
+  workdir = str(tmp_path_factory.mktemp("one") / "run")
+  _one_process(workdir, *_C4_FLAGS, f"--config.data.path={c4_dir}")
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def two_processes_c4(tmp_path_factory, c4_dir):
+  """The same 4 islands over 2 processes (2 each), with its output."""
+  workdir = str(tmp_path_factory.mktemp("two") / "run")
+  output = _run(2, workdir, *_C4_FLAGS, f"--config.data.path={c4_dir}")
+  return workdir, output
+
+
+def _assert_close_runs(a, b):
+  """Equal up to float summation order: the cross-island all-reduce of
+  several processes (gloo) adds the islands' pseudo-gradients in another
+  order than one process's XLA all-reduce, and float addition is not
+  associative (measured: at most 6e-8 apart after 4 rounds)."""
+  helpers.assert_trees_close(test_checkpoint._final_state(a),
+                             test_checkpoint._final_state(b),
+                             rtol=1e-5, atol=1e-6)
+  ma, mb = test_checkpoint._metrics(a), test_checkpoint._metrics(b)
+  assert [r["step"] for r in ma] == [r["step"] for r in mb]
+  for ra, rb in zip(ma, mb):
+    assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-5)
+    assert ("eval_loss" in ra) == ("eval_loss" in rb)
+    if "eval_loss" in ra:
+      assert ra["eval_loss"] == pytest.approx(rb["eval_loss"], rel=1e-5)
+    assert ra["comm_bytes"] == rb["comm_bytes"]
+
+
+def test_two_processes_equal_one(one_process_c4, two_processes_c4):
+  # 2 islands on each process; every island streams its own shards.
+  workdir, output = two_processes_c4
+  _assert_close_runs(one_process_c4, workdir)
+  # One process writes the run's files; the progress line comes from it.
+  assert "islands 2..3 on this process" in output
+  progress = [line for line in output.splitlines() if "step 12/12" in line]
+  assert len(progress) == 1 and progress[0].startswith("[0] ")
+  assert sorted(os.listdir(workdir)) == [
+      "checkpoints", "config.json", "metrics.jsonl", "run.lock",
+      "summary.json", "tensorboard"]
+
+
+def test_an_island_spread_over_two_processes(tmp_path):
+  # One island whose 'data' devices are on two processes: the gradient
+  # all-reduce crosses them; both read the island's batch and place half.
+  extra = ("--config.diloco.islands=1", "--config.mesh.data=2",
+           "--config.data.batch_size=4")
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _one_process(one, *extra)
+  _run(2, two, *extra)
+  _assert_close_runs(one, two)
+
+
+def test_sigterm_stops_every_process_at_one_step_and_resumes(
+    two_processes_c4, c4_dir, tmp_path):
+  workdir = str(tmp_path / "stopped")
+  flags = (*_C4_FLAGS, f"--config.data.path={c4_dir}")
+  launcher = _launch(2, workdir, *flags)
+  _wait_for_step(workdir, launcher, 5)
+  launcher.send_signal(signal.SIGTERM)
+  output, _ = launcher.communicate(timeout=120)
+  assert launcher.returncode != 0, output[-2000:]
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  output = _run(2, workdir, *flags)
+  assert "resuming from the checkpoint at step" in output
+  test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
+
+
+def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
+    two_processes_c4, c4_dir, tmp_path):
+  workdir = str(tmp_path / "killed")
+  flags = (*_C4_FLAGS, f"--config.data.path={c4_dir}")
+  launcher = _launch(2, workdir, *flags)
+  _wait_for_step(workdir, launcher, 4)
+  children = subprocess.run(["pgrep", "-P", str(launcher.pid)],
+                            capture_output=True, text=True).stdout.split()
+  victim = next(pid for pid in children if b"JAX_PROCESS_ID=1" in open(
+      f"/proc/{pid}/environ", "rb").read().split(b"\0"))
+  killed_at = time.monotonic()
+  os.kill(int(victim), signal.SIGKILL)
+  output, _ = launcher.communicate(timeout=KILL_BOUND_S + 30)
+  assert time.monotonic() - killed_at < KILL_BOUND_S
+  assert launcher.returncode != 0
+  assert "process 1 was killed by SIGKILL" in output
+  for pid in children:  # nothing is left behind
+    assert not os.path.exists(f"/proc/{pid}") or open(
+        f"/proc/{pid}/stat").read().split()[2] == "Z"
+  output = _run(2, workdir, *flags)
+  assert "resuming from the checkpoint at step" in output
+  test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
