@@ -87,8 +87,10 @@ def island_all_to_all(x: jax.Array, axes: Axes = ISLANDS) -> jax.Array:
 
 
 def weight_share(weight, axes: Axes = ISLANDS):
-  """This island's share w_i / sum_j w_j of the total weight (a psum)."""
-  return weight / island_psum(weight, axes)
+  """This island's share w_i / sum_j w_j of the total weight (a psum); 0
+  when no island has weight (nothing is averaged, rather than 0 / 0)."""
+  total = island_psum(weight, axes)
+  return jnp.where(total > 0, weight / jnp.where(total > 0, total, 1), 0.0)
 
 
 def weight_share_bytes(num_islands: int) -> int:

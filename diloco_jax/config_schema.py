@@ -40,6 +40,14 @@ def base_config() -> ml_collections.ConfigDict:
   # fallback_codec.
   c.diloco.codec = "fp32"
   c.diloco.codec_block_size = 256
+  # Which islands take part in each round (participation.py): a schedule of
+  # active islands, 'A->B' (a linear ramp) or 'A<->B' (alternating), e.g.
+  # '1->8'; each sync dropped with drop_probability; an inactive island
+  # 'train's on and is not synced, or sits 'idle' and rejoins from x with a
+  # fresh inner optimizer state.
+  c.diloco.island_schedule = ""
+  c.diloco.drop_probability = 0.0
+  c.diloco.dropped_islands = "train"
   c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False

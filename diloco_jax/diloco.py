@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import communication
 from diloco_jax import compression as compression_lib
+from diloco_jax import optimizers
 from diloco_jax import placement
 from diloco_jax.mesh import DATA, ISLAND
 from diloco_jax.placement import PER_ISLAND, REPLICATED
@@ -218,7 +219,9 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     compression=None, rounding_seed: int | None = None,
-                    fsdp: bool = False):
+                    fsdp: bool = False,
+                    inner_opt: optax.GradientTransformation | None = None,
+                    restart_dropped: bool = False):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a codecs.DenseCodec, or None
@@ -232,6 +235,17 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   With `fsdp` (params split over each island's 'data' devices) each
   device reduces its own shards across islands: the whole model is never
   gathered on one device (dense codecs only).
+
+  An island with weight 0 (not synced this round) or a non-finite
+  pseudo-gradient (it diverged) is left out of the mean: masked before any
+  arithmetic, so NaN never reaches x; it keeps its error-feedback residual
+  and, like every island, restarts from the new x; given `inner_opt`, a
+  diverged island also restarts with a fresh inner optimizer state (its
+  moments are not finite either), counted from the current step so the
+  learning rate schedule goes on; with `restart_dropped` so does an island
+  with weight 0 (config.diloco.dropped_islands='idle': it rejoins fresh).
+  If no island takes part, x, the outer optimizer state and the codec
+  state do not change.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
@@ -249,6 +263,14 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     pseudo_grad = jax.tree.map(jnp.subtract, global_params, island_params)
     if residuals is not None:
       pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
+    # An island without weight (not synced this round) or whose
+    # pseudo-gradient is not finite (it diverged) takes no part: its values
+    # are zeroed before any arithmetic, since NaN x 0 is still NaN.
+    finite = _all_finite(pseudo_grad)
+    included = (weight > 0) & finite
+    weight = jnp.where(included, weight, 0.0)
+    pseudo_grad = jax.tree.map(lambda g: jnp.where(included, g, 0),
+                               pseudo_grad)
     key = None
     if rounding_seed is not None:
       key = jax.random.fold_in(
@@ -257,20 +279,24 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     mean, sent, codec_state = compression_lib.island_mean(
         pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
     if residuals is not None:
-      residuals = jax.tree.map(jnp.subtract, pseudo_grad, sent)
-    return mean, residuals, codec_state
+      # An island that took no part keeps the residual it had.
+      residuals = jax.tree.map(
+          lambda old, new: jnp.where(included, new, old), residuals,
+          jax.tree.map(jnp.subtract, pseudo_grad, sent))
+    return mean, residuals, codec_state, included, finite
 
   def outer(state: TrainState, weights: jax.Array):
     sync = placement.island_map(
         island_sync, mesh,
         in_specs=(REPLICATED, PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND,
                   REPLICATED),
-        out_specs=(REPLICATED, PER_ISLAND, REPLICATED),
+        out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND,
+                   PER_ISLAND),
         # A compressed mean ends in an all_gather, whose result is the same
         # on every island but is typed as varying; the replicated out_specs
         # are right by construction (tests check islands agree bit for bit).
         check_vma=False)
-    mean, residuals, codec_state = sync(
+    mean, residuals, codec_state, included, finite = sync(
         state.global_params, state.island_params, state.residuals,
         state.codec_state, weights, state.round)
     # The outer optimizer runs once per device on the replicated x, not once
@@ -278,15 +304,42 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     updates, outer_state = outer_opt.update(mean, state.outer_opt_state,
                                             state.global_params)
     new_global = optax.apply_updates(state.global_params, updates)
+    # With no island taking part, x, the outer state (momentum would still
+    # move x) and the codec state stay as they were.
+    anyone = jnp.any(included)
+    unless_nobody = lambda new, old: jax.tree.map(
+        lambda n, o: jnp.where(anyone, n, o), new, old)
+    new_global = unless_nobody(new_global, state.global_params)
+    outer_state = unless_nobody(outer_state, state.outer_opt_state)
+    codec_state = unless_nobody(codec_state, state.codec_state)
+    inner_opt_state = state.inner_opt_state
+    if inner_opt is not None:
+      fresh = optimizers.with_step_counts(
+          jax.vmap(inner_opt.init)(_stack(new_global, num_islands(state))),
+          state.step)
+      restart = ~finite
+      if restart_dropped:
+        restart = restart | (weights <= 0)
+      inner_opt_state = jax.tree.map(
+          lambda f, old: jnp.where(
+              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
+          fresh, inner_opt_state)
     state = state.replace(
         round=state.round + 1, global_params=new_global,
         outer_opt_state=outer_state,
         island_params=_stack(new_global, num_islands(state)),
-        residuals=residuals, codec_state=codec_state)
+        inner_opt_state=inner_opt_state, residuals=residuals,
+        codec_state=codec_state)
     # The state keeps its declared layout, so the compiled steps take it.
     return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
   return jax.jit(outer, donate_argnums=0)
+
+
+def _all_finite(tree) -> jax.Array:
+  """Whether every value of `tree` is finite (a scalar bool)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
+                            for leaf in jax.tree.leaves(tree)]))
 
 
 def resize_islands(state: TrainState, num_islands: int,

@@ -39,6 +39,7 @@ _GRACE = flags.DEFINE_float(
 
 _PR_SET_PDEATHSIG = 1  # prctl option: a signal for when the parent dies
 _POLL_S = 0.2
+_SETTLE_S = 3.0
 
 
 def free_port() -> int:
@@ -115,10 +116,18 @@ def supervise(children: list[subprocess.Popen], grace_s: float) -> int:
                 if code not in (None, 0)]
       if failed and not stopping:
         index, code = failed[0]
-        _stop(children, grace_s)
-        print(f"launch: process {index} {describe_exit(code)}; stopped the "
-              f"other processes. Rerun the same command to resume from the "
-              f"last checkpoint.", file=sys.stderr)
+        # An error every process finds (a bad config) ends them all at once:
+        # wait a moment before calling the others hung.
+        _wait_all(children, _SETTLE_S)
+        if all(child.poll() for child in children):
+          print(f"launch: every process exited with an error (process "
+                f"{index} {describe_exit(code)}); see the messages above.",
+                file=sys.stderr)
+        else:
+          _stop(children, grace_s)
+          print(f"launch: process {index} {describe_exit(code)}; stopped "
+                f"the other processes. Rerun the same command to resume "
+                f"from the last checkpoint.", file=sys.stderr)
         return code if code > 0 else 128 - code
       if all(code == 0 for code in codes):
         return 0
@@ -126,6 +135,13 @@ def supervise(children: list[subprocess.Popen], grace_s: float) -> int:
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
+
+
+def _wait_all(children: list[subprocess.Popen], seconds: float) -> None:
+  deadline = time.monotonic() + seconds
+  while (time.monotonic() < deadline
+         and any(child.poll() is None for child in children)):
+    time.sleep(_POLL_S)
 
 
 def _stop(children: list[subprocess.Popen], grace_s: float) -> None:

@@ -90,6 +90,13 @@ def _cluster_detected() -> bool:
   return len([h for h in hostnames.split(",") if h]) > 1
 
 
+def idle_processes(mesh) -> list[int]:
+  """The processes none of whose devices are in `mesh` (every process of a
+  run must hold an island or a share of one)."""
+  used = {device.process_index for device in mesh.devices.flat}
+  return [p for p in range(jax.process_count()) if p not in used]
+
+
 def local_islands(sharding, global_shape) -> range:
   """The islands (leading axis of `global_shape`) this process holds.
 

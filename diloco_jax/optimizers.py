@@ -6,6 +6,7 @@ pseudo-gradient once per round (Nesterov SGD by default, as in DiLoCo).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -86,3 +87,14 @@ def outer_optimizer(outer_config) -> optax.GradientTransformation:
     return optax.adam(lr, b1=outer_config.b1, b2=outer_config.b2,
                       eps=outer_config.eps)
   raise ValueError(f"config.diloco.outer_optimizer.name={name!r} is unknown")
+
+
+def with_step_counts(opt_state, step):
+  """`opt_state` with every optax `count` leaf set to `step`: a fresh state
+  that goes on with the learning rate schedule where the run is."""
+  def set_count(path, leaf):
+    last = path[-1] if path else None
+    if getattr(last, "name", None) == "count":
+      return jnp.full_like(leaf, step)
+    return leaf
+  return jax.tree_util.tree_map_with_path(set_count, opt_state)

@@ -61,7 +61,10 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                       else None), fsdp=fsdp).lower(state, weights).compile()
+                       else None), fsdp=fsdp,
+        inner_opt=inner_opt,
+        restart_dropped=config.diloco.dropped_islands == "idle").lower(
+            state, weights).compile()
     evaluate_island_mean = diloco.make_evaluate(
         loss_fn, mode, island_mean=True).lower(state, eval_batch).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(

@@ -41,6 +41,7 @@ from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import multihost
 from diloco_jax import optimizers
+from diloco_jax import participation
 from diloco_jax import programs as programs_lib
 from diloco_jax import state_spec as state_spec_lib
 from diloco_jax import stops
@@ -339,6 +340,22 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
   return summary
 
 
+def _participants(config, islands: int):
+  """participants(step) -> [islands] bool: the islands synced at the end of
+  step's round. Schedules run over the rounds after the pretraining."""
+  inner_steps = config.diloco.inner_steps
+  first_round = -(-config.pretrain_steps // inner_steps)
+  num_rounds = -(-config.total_steps // inner_steps) - first_round
+  def participants(step: int) -> np.ndarray:
+    if config.mode != "diloco":
+      return np.ones(islands, bool)
+    return participation.round_mask(
+        islands, math.ceil(step / inner_steps) - 1 - first_round, num_rounds,
+        config.diloco.island_schedule, config.diloco.drop_probability,
+        config.seed)
+  return participants
+
+
 def _restore_data_positions(batches, meta: dict, islands: int) -> None:
   """Puts the data streams where the checkpoint left them, if they map."""
   if "data" not in meta:
@@ -381,6 +398,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
   launch_time = time.time() if launch_time is None else launch_time
   devices = jax.devices() if devices is None else list(devices)
   validation.validate_config(config, num_devices=len(devices))
+  _check_every_process_holds_islands(config, devices)
   source = (warm_start.parse_source(config.init_from) if config.init_from
             else None)
   if source is not None and source.workdir == os.path.abspath(workdir):
@@ -400,6 +418,34 @@ def train_and_evaluate(config, workdir: str, devices=None,
   finally:
     if lock is not None:
       lock.release()
+
+
+def _check_every_process_holds_islands(config, devices) -> None:
+  """ConfigError (on every process alike) if a process of a multi-process
+  run would have no device in the mesh of the run or of its pretraining."""
+  if jax.process_count() == 1:
+    return
+  islands = validation.effective_islands(config)
+  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
+                             devices)
+  idle = multihost.idle_processes(mesh)
+  if idle:
+    raise validation.ConfigError(
+        f"{islands} island(s) x mesh.data={config.mesh.data} x mesh.stage="
+        f"{config.mesh.stage} use {mesh.devices.size} of the "
+        f"{len(devices)} devices, leaving process(es) {idle} of "
+        f"{jax.process_count()} without any: use more islands or spread "
+        "each island over the processes with config.mesh.data")
+  if config.pretrain_steps and len(multihost.idle_processes(
+      mesh_lib.build_mesh(1, config.mesh.data, config.mesh.stage,
+                          devices))):
+    raise validation.ConfigError(
+        f"config.pretrain_steps={config.pretrain_steps}: the pretraining is "
+        f"one worker, on mesh.data x mesh.stage = {config.mesh.data} x "
+        f"{config.mesh.stage} devices, which leaves processes of this "
+        f"{jax.process_count()}-process run idle; pretrain in a run of its "
+        "own (e.g. one process, config.mode=single) and start this one "
+        "from it with config.init_from=THAT_WORKDIR")
 
 
 def _pretrain(config, workdir: str, devices, launch_time: float):
@@ -650,6 +696,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       return to_step, state, new_progress
 
     island_mean_loss = rank = None
+    participants = _participants(config, islands)
     data_state = batches.state()
     start_tokens = progress.tokens_seen  # what this process trains from here
     writer.start_clock(progress.tokens_seen)
@@ -680,7 +727,11 @@ def _train(config, workdir: str, devices, launch_time: float,
                        "%.1fs)", startup_s, compile_s)
         data_state = batches.state()  # the position after the batch used
         progress.island_round_steps += 1
-        progress.tokens_seen += islands * tokens_per_island_step
+        synced = participants(step)
+        # An idle island's work is discarded: its tokens do not count.
+        progress.tokens_seen += tokens_per_island_step * (
+            int(synced.sum()) if config.diloco.dropped_islands == "idle"
+            else islands)
         progress.ddp_comm_bytes += ddp_step_bytes
         if mode == "ddp":
           progress.comm_bytes += ddp_step_bytes
@@ -697,15 +748,18 @@ def _train(config, workdir: str, devices, launch_time: float,
             island_mean_loss = _mean_loss(evaluate_island_mean, state,
                                           eval_arrays)
           if outer_step is not None:
-            # Islands are weighted by the tokens they processed this round.
+            # Islands are weighted by the tokens they processed this round;
+            # those not synced this round get weight 0.
             weights = (progress.island_round_steps * tokens_per_island_step
-                       * island_shares)
+                       * island_shares * synced)
             rank_indices = _rank_indices(state)
             round_bytes = sync_bytes(rank_indices)
             rank = _mean_rank(compression, rank_indices)
             state = outer_step(state, _place(weights.astype(np.float32),
                                              weights_shape.sharding))
-            progress.comm_bytes += round_bytes
+            # Per island, as everywhere: the islands not synced send
+            # nothing (in this SPMD program they send zeros).
+            progress.comm_bytes += round_bytes * int(synced.sum()) // islands
             progress.fp32_comm_bytes += ddp_step_bytes
           progress.rounds_done += 1
           progress.island_round_steps[:] = 0
@@ -728,6 +782,8 @@ def _train(config, workdir: str, devices, launch_time: float,
             record["eval_loss_island_mean"] = island_mean_loss
           if outer_step is not None and rank is not None:
             record["codec_mean_rank"] = rank
+          if outer_step is not None:
+            record["active_islands"] = int(synced.sum())
         checkpoint_due = _checkpoint_due(step, round_ended,
                                          progress.rounds_done, total_steps,
                                          config.checkpoint)

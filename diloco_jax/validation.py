@@ -11,6 +11,7 @@ from diloco_jax import config_changes
 from diloco_jax import config_schema
 from diloco_jax import guards
 from diloco_jax import model as model_lib
+from diloco_jax import participation
 from diloco_jax.data import corpus as corpus_lib
 
 
@@ -42,6 +43,26 @@ def effective_islands(config) -> int:
 def devices_per_island(config) -> int:
   """data x stage: the devices one island needs (islands fold onto them)."""
   return config.mesh.data * config.mesh.stage
+
+
+def _validate_participation(config) -> None:
+  diloco_config = config.diloco
+  if diloco_config.island_schedule:
+    try:
+      participation.parse_schedule(diloco_config.island_schedule,
+                                   diloco_config.islands)
+    except ValueError as e:
+      raise ConfigError(f"config.diloco.island_schedule: {e}") from None
+  _require(0 <= diloco_config.drop_probability < 1,
+           f"config.diloco.drop_probability={diloco_config.drop_probability}"
+           " must be in [0, 1)")
+  _require(diloco_config.dropped_islands in participation.DROPPED_ISLANDS,
+           f"config.diloco.dropped_islands={diloco_config.dropped_islands!r}"
+           f" is not one of {participation.DROPPED_ISLANDS}")
+  _require(config.mode == "diloco" or not (
+      diloco_config.island_schedule or diloco_config.drop_probability),
+           f"config.diloco.island_schedule and drop_probability are DiLoCo's"
+           f" (islands that skip outer steps); config.mode={config.mode!r}")
 
 
 def validate_config(config, num_devices: int) -> None:
@@ -104,6 +125,7 @@ def validate_config(config, num_devices: int) -> None:
       f"config.mesh.fsdp needs a dense codec {codecs.DENSE_CODECS}; "
       f"config.diloco.codec={config.diloco.codec!r} works on whole matrices",
   )
+  _validate_participation(config)
   outer = config.diloco.outer_optimizer
   _require(
       outer.name in config_schema.OUTER_OPTIMIZERS,

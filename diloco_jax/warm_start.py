@@ -95,6 +95,8 @@ def pretrain_config(config):
   pretrain.total_steps = config.pretrain_steps
   pretrain.pretrain_steps = 0
   pretrain.init_from = ""
+  pretrain.diloco.island_schedule = ""  # one worker: no islands to drop
+  pretrain.diloco.drop_probability = 0.0
   pretrain.inner_optimizer.schedule_steps = optimizers.schedule_length(
       config.inner_optimizer, config.total_steps)
   return pretrain
@@ -125,16 +127,6 @@ def _same_per_island(a, b) -> bool:
           and island_view(a) == island_view(b))
 
 
-def _with_counts(inner_opt_state, step):
-  """`inner_opt_state` with every optax `count` leaf set to `step`."""
-  def set_count(path, leaf):
-    last = path[-1] if path else None
-    if getattr(last, "name", None) == "count":
-      return jnp.full_like(leaf, step)
-    return leaf
-  return jax.tree_util.tree_map_with_path(set_count, inner_opt_state)
-
-
 def warm_state(source_state: diloco.TrainState, source_mode: str,
                spec: state_spec.StateSpec, carry_inner_state: bool,
                param_dtypes) -> diloco.TrainState:
@@ -157,7 +149,8 @@ def warm_state(source_state: diloco.TrainState, source_mode: str,
         lambda s: jnp.broadcast_to(s[0], (spec.islands,) + s.shape[1:]),
         source_state.inner_opt_state)
   else:
-    inner = _with_counts(state.inner_opt_state, source_state.step)
+    inner = optimizers.with_step_counts(state.inner_opt_state,
+                                          source_state.step)
   return state.replace(step=source_state.step, round=source_state.round,
                        inner_opt_state=inner)
 

@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
+from diloco_jax import compression as compression_lib
 from diloco_jax import config_schema
 from diloco_jax import diloco
 from diloco_jax import mesh as mesh_lib
@@ -105,6 +106,107 @@ def test_weighted_mean_weights_islands_by_tokens():
   state = diloco.make_outer_step(optax.sgd(1.0), mesh)(state, weights)
   expected = jax.tree.map(lambda a: 0.75 * a[0] + 0.25 * a[1], y)
   helpers.assert_trees_close(state.global_params, expected)
+
+
+# Islands left out of a round: no weight, or a pseudo-gradient with NaN/inf.
+
+
+def _diverged_islands_state(islands, outer_opt):
+  """A state after one inner step and one outer step (so the outer
+  momentum is not zero), then one more inner step."""
+  _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=outer_opt)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  batches = helpers.random_batches(2, islands, 2)
+  state, _ = inner(state, _put_batch(batches[0], mesh))
+  state = outer_step(state, _weights(islands, mesh))
+  state, _ = inner(state, _put_batch(batches[1], mesh))
+  return state, outer_step, mesh
+
+
+def _poison(state, island):
+  """Island `island`'s params with a NaN and an inf in every leaf."""
+  def poison(y):
+    y = np.array(y)
+    y[island].reshape(-1)[:2] = [np.nan, np.inf]
+    return y
+  return state.replace(island_params=jax.device_put(
+      jax.tree.map(poison, jax.device_get(state.island_params)),
+      jax.tree.map(lambda a: a.sharding, state.island_params)))
+
+
+def _island_weights(values, mesh):
+  return jax.device_put(jnp.array(values, jnp.float32), NamedSharding(
+      mesh, jax.sharding.PartitionSpec("island")))
+
+
+def test_masked_weighted_mean_leaves_out_nan_and_weightless_islands():
+  islands = 4
+  state, outer_step, mesh = _diverged_islands_state(islands, optax.sgd(1.0))
+  y = jax.device_get(state.island_params)
+  state = _poison(state, 1)
+  # Island 1 diverged, island 3 is not synced: x = (1 y0 + 2 y2) / 3.
+  state = outer_step(state, _island_weights([1.0, 5.0, 2.0, 0.0], mesh))
+  expected = jax.tree.map(lambda a: (a[0] + 2 * a[2]) / 3, y)
+  helpers.assert_trees_close(state.global_params, expected)
+  # Every island, the diverged one too, restarts from the finite x.
+  for leaf in jax.tree.leaves(jax.device_get(state.island_params)):
+    assert np.isfinite(leaf).all()
+    np.testing.assert_array_equal(leaf[1], leaf[0])
+
+
+def test_a_round_without_islands_moves_neither_x_nor_the_outer_state():
+  islands = 2
+  state, outer_step, mesh = _diverged_islands_state(
+      islands, optax.sgd(0.7, momentum=0.9, nesterov=True))
+  before = jax.device_get((state.global_params, state.outer_opt_state))
+  # Momentum alone would move x: its trace is not zero after one round.
+  assert any(np.abs(leaf).max() > 0
+             for leaf in jax.tree.leaves(before[1]))
+  for weights, poisoned in (([0.0, 0.0], None), ([1.0, 1.0], "both")):
+    if poisoned:
+      state = _poison(_poison(state, 0), 1)
+    state = outer_step(state, _island_weights(weights, mesh))
+    after = jax.device_get((state.global_params, state.outer_opt_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
+def test_a_diverged_island_restarts_with_a_fresh_inner_state():
+  islands = 2
+  _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = diloco.make_outer_step(outer_opt, mesh, inner_opt=inner_opt)
+  for batch in helpers.random_batches(3, islands, 2):
+    state, _ = inner(state, _put_batch(batch, mesh))
+  before = jax.device_get(state.inner_opt_state)
+  state = outer_step(_poison(state, 1), _weights(islands, mesh))
+  after = jax.device_get(state.inner_opt_state)
+  x = jax.device_get(state.global_params)
+  fresh = optimizers.with_step_counts(inner_opt.init(x), 3)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[0], b[0]),
+               after, before)  # the healthy island keeps its moments
+  jax.tree.map(lambda a, f: np.testing.assert_array_equal(a[1], f),
+               after, fresh)
+  assert any(np.abs(np.asarray(b[1], np.float64)).max() > 0
+             for b in jax.tree.leaves(before))  # it had moments to lose
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk", "adaptive_lowrank"])
+def test_codecs_leave_out_a_nan_island(codec):
+  config = config_schema.base_config().diloco
+  config.codec = codec
+  config.fallback_codec = "int8"
+  compression = compression_lib.from_config(config)
+  state, outer_step, weights = helpers.state_after_one_inner_step(
+      4, compression, error_feedback=True)
+  residuals_before = jax.device_get(state.residuals)
+  state = outer_step(_poison(state, 2), weights)
+  for leaf in jax.tree.leaves(jax.device_get(
+      (state.global_params, state.codec_state, state.residuals))):
+    assert np.isfinite(np.asarray(leaf, np.float64)).all()
+  # The diverged island keeps the residual it had (it sent nothing).
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[2], b[2]),
+               jax.device_get(state.residuals), residuals_before)
 
 
 def test_nesterov_outer_update_matches_optax_reference():

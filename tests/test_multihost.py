@@ -223,6 +223,19 @@ def test_an_island_spread_over_two_processes(tmp_path):
   _assert_close_runs(one, two)
 
 
+def test_a_process_without_islands_is_one_clear_error(tmp_path):
+  # One island on one device would leave process 1 with nothing to do.
+  workdir = tmp_path / "idle"
+  process = _launch(2, str(workdir), "--config.mode=single")
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 1
+  errors = [line for line in output.splitlines() if "error: " in line]
+  assert len(errors) == 2 and all(
+      "leaving process(es) [1] of 2 without any" in line for line in errors)
+  assert "every process exited with an error" in output
+  assert not workdir.exists()  # nothing written
+
+
 def test_sigterm_stops_every_process_at_one_step_and_resumes(
     two_processes_c4, c4_dir, tmp_path):
   workdir = str(tmp_path / "stopped")

@@ -1,0 +1,103 @@
+"""Islands that skip rounds: schedules, dropped syncs, idle islands."""
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from diloco_jax import diloco
+from diloco_jax import optimizers
+from diloco_jax import participation
+from diloco_jax import train
+from diloco_jax import validation
+from tests import helpers
+from tests import test_checkpoint
+from tests import test_diloco
+
+
+def _counts(schedule, islands, rounds):
+  return [participation.active_count(schedule, islands, r, rounds)
+          for r in range(rounds)]
+
+
+def test_schedules_by_hand():
+  assert _counts("1->8", 8, 8) == [1, 2, 3, 4, 5, 6, 7, 8]
+  assert _counts("8->1", 8, 8) == [8, 7, 6, 5, 4, 3, 2, 1]
+  assert _counts("1->4", 4, 3) == [1, 3, 4]  # 1, 2.5 (half up), 4
+  assert _counts("4<->8", 8, 5) == [4, 8, 4, 8, 4]
+  assert _counts("", 4, 3) == [4, 4, 4]
+  mask = participation.round_mask(8, 2, 8, "1->8")
+  assert mask.tolist() == [True] * 3 + [False] * 5  # the first n islands
+
+
+def test_dropped_syncs_are_seeded_and_at_the_asked_rate():
+  masks = np.stack([participation.round_mask(8, r, 400, "",
+                                             drop_probability=0.25, seed=3)
+                    for r in range(400)])
+  again = participation.round_mask(8, 17, 400, "", 0.25, seed=3)
+  np.testing.assert_array_equal(masks[17], again)
+  assert abs(1 - masks.mean() - 0.25) < 0.03
+  assert not np.array_equal(
+      masks[17], participation.round_mask(8, 17, 400, "", 0.25, seed=4))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("diloco.island_schedule", "1-8", "is not 'A->B'"),
+    ("diloco.island_schedule", "1->5", "asks for 5 islands; the run has 4"),
+    ("diloco.island_schedule", "0<->4", "asks for 0 islands"),
+    ("diloco.drop_probability", 1.0, "must be in \\[0, 1\\)"),
+    ("diloco.dropped_islands", "sleep", "is not one of"),
+    ("mode", "ddp", "island_schedule and drop_probability are DiLoCo's"),
+])
+def test_bad_participation_settings_are_one_error(field, value, message):
+  config = helpers.with_overrides(tiny.get_config(), {
+      "diloco.islands": 4, "diloco.island_schedule": "1->4", field: value})
+  with pytest.raises(validation.ConfigError, match=f"^config.*{message}"):
+    validation.validate_config(config, num_devices=8)
+
+
+def _config(**overrides):
+  return helpers.with_overrides(tiny.get_config(), {
+      "diloco.islands": 4, "total_steps": 12, "diloco.inner_steps": 3,
+      "checkpoint.every_steps": 3, "checkpoint.max_to_keep": 20,
+      **overrides})
+
+
+def test_a_schedule_run_follows_its_participation(tmp_path):
+  config = _config(**{"diloco.island_schedule": "1->4"})
+  train.train_and_evaluate(config, str(tmp_path / "ramp"))
+  records = test_checkpoint._metrics(str(tmp_path / "ramp"))
+  ends = [r for r in records if "active_islands" in r]
+  assert [r["active_islands"] for r in ends] == [1, 2, 3, 4]  # 1..4 in 4
+  # Each round's bytes are the active islands' share of a full round's.
+  full = train.train_and_evaluate(_config(), str(tmp_path / "full"))
+  per_round = full["comm_bytes"] // 4
+  sent = np.diff([0] + [r["comm_bytes"] for r in ends])
+  np.testing.assert_array_equal(sent, [per_round * n // 4
+                                       for n in (1, 2, 3, 4)])
+
+
+def test_resume_mid_schedule_is_exact(tmp_path):
+  test_checkpoint.check_resume_from_round_2(
+      lambda: _config(**{"diloco.island_schedule": "4<->2",
+                         "diloco.drop_probability": 0.3,
+                         "diloco.dropped_islands": "idle"}), tmp_path)
+
+
+def test_idle_islands_rejoin_with_a_fresh_inner_state():
+  islands = 2
+  _, loss_fn, inner_opt, outer_opt, mesh, state = test_diloco._setup(islands)
+  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = diloco.make_outer_step(outer_opt, mesh, inner_opt=inner_opt,
+                                      restart_dropped=True)
+  for batch in helpers.random_batches(2, islands, 2):
+    state, _ = inner(state, test_diloco._put_batch(batch, mesh))
+  before = jax.device_get(state.inner_opt_state)
+  state = outer_step(state, test_diloco._island_weights([1.0, 0.0], mesh))
+  after = jax.device_get(state.inner_opt_state)
+  fresh = optimizers.with_step_counts(
+      inner_opt.init(jax.device_get(state.global_params)), 2)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[0], b[0]),
+               after, before)
+  jax.tree.map(lambda a, f: np.testing.assert_array_equal(a[1], f),
+               after, fresh)
