@@ -163,8 +163,16 @@ def base_config() -> ml_collections.ConfigDict:
   # A NaN or inf loss, gradient norm or eval loss: 'stop' with an error
   # naming the step and island, or 'rollback' to the last good checkpoint,
   # skipping the batches taken since (at most max_rollbacks times per run).
+  # In DiLoCo an island whose loss or gradient turns non-finite is left out
+  # of its round's outer step and restarts from x (fresh inner optimizer
+  # state); the policy applies when every island diverges, or x does.
   c.nonfinite = "stop"
   c.max_rollbacks = 3
+
+  # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the start
+  # of that (1-based) round, to exercise the exclusion of diverged islands.
+  c.testing = ml_collections.ConfigDict()
+  c.testing.nan_island = ""
 
   c.log_every_seconds = 5.0
   return c

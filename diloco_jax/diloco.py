@@ -336,6 +336,19 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   return jax.jit(outer, donate_argnums=0)
 
 
+def islands_finite(state: TrainState) -> jax.Array:
+  """[islands] bool: whether each island's params are all finite (the
+  islands the outer step will include, weights permitting)."""
+  return jax.vmap(_all_finite)(state.island_params)
+
+
+def poison_island(state: TrainState, island: int) -> TrainState:
+  """`state` with island `island`'s params set to NaN (tests of diverged
+  islands, through config.testing.nan_island)."""
+  return state.replace(island_params=jax.tree.map(
+      lambda y: y.at[island].set(jnp.nan), state.island_params))
+
+
 def _all_finite(tree) -> jax.Array:
   """Whether every value of `tree` is finite (a scalar bool)."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))

@@ -57,8 +57,9 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str, total_steps: int,
-               log_every_seconds: float = 5.0):
+               log_every_seconds: float = 5.0, islands: int | None = None):
     self._total_steps = total_steps
+    self._islands = islands
     self._log_every = log_every_seconds
     self._last_log = -math.inf
     self._start = None
@@ -117,6 +118,12 @@ class MetricsWriter:
       line += f" eval_loss {record['eval_loss']:.4f}"
       if "eval_bits_per_byte" in record:
         line += f" eval_bpb {record['eval_bits_per_byte']:.4f}"
+      active = record.get("active_islands", self._islands)
+      excluded = record.get("excluded_islands", 0)
+      if active != self._islands or excluded:  # say when islands sat out
+        line += f" islands {active - excluded}/{self._islands}"
+        if excluded:
+          line += f" ({excluded} diverged, left out)"
     line += f" tok/s {rate:,.0f} ETA {_format_duration(eta)}"
     logging.info(line)
 

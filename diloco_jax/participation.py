@@ -74,3 +74,16 @@ def round_mask(num_islands: int, round_index: int, num_rounds: int,
     draws = np.random.default_rng([seed, round_index]).random(num_islands)
     mask &= draws >= drop_probability
   return mask
+
+
+def parse_nan_island(spec: str, num_islands: int) -> tuple[int, int]:
+  """(island, round) of config.testing.nan_island 'ISLAND@ROUND' (round
+  1-based); ValueError naming what is wrong."""
+  match = re.match(r"^\s*(\d+)\s*@\s*(\d+)\s*$", spec)
+  if not match:
+    raise ValueError(f"{spec!r} is not 'ISLAND@ROUND', e.g. '1@3'")
+  island, round_number = int(match.group(1)), int(match.group(2))
+  if island >= num_islands or round_number < 1:
+    raise ValueError(f"{spec!r}: the island must be in 0..{num_islands - 1} "
+                     "and the round >= 1")
+  return island, round_number

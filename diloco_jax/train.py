@@ -609,7 +609,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       metrics_lib.write_json_atomically(os.path.join(workdir, "config.json"),
                                         config_record)
     writer = metrics_lib.MetricsWriter(workdir, total_steps,
-                                       config.log_every_seconds)
+                                       config.log_every_seconds, islands)
 
     programs = compiling.result()
     inner_step, outer_step = programs.inner_step, programs.outer_step
@@ -652,15 +652,28 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     def finish_record(record: dict, step_metrics) -> None:
       """Writes a step's record once its metrics are fetched; raises
-      NonFiniteError after writing it if an island diverged."""
+      NonFiniteError after writing it if the run diverged.
+
+      In DiLoCo, islands that diverge while others do not are left to the
+      outer step (it excludes them and restarts them from x); the record
+      then averages the finite islands and counts the others.
+      """
       step_metrics = multihost.fetch(step_metrics)
-      record["train_loss"] = float(np.mean(step_metrics["loss"]))
-      record["grad_norm"] = float(np.mean(step_metrics["grad_norm"]))
+      losses = np.atleast_1d(step_metrics["loss"])
+      norms = np.atleast_1d(step_metrics["grad_norm"])
+      finite = np.isfinite(losses) & np.isfinite(norms)
+      some_diverged = outer_step is not None and 0 < finite.sum() < finite.size
+      kept = finite if some_diverged else np.ones_like(finite)
+      record["train_loss"] = float(np.mean(losses[kept]))
+      record["grad_norm"] = float(np.mean(norms[kept]))
+      if some_diverged:
+        record["diverged_islands"] = int((~finite).sum())
+        diverged_this_round.update(np.flatnonzero(~finite).tolist())
       writer.write(record)
-      problem = (guards.step_problem(record["step"], step_metrics["loss"],
-                                     step_metrics["grad_norm"])
-                 or guards.eval_problem(record["step"],
-                                        record.get("eval_loss", 0.0)))
+      problem = guards.eval_problem(record["step"],
+                                    record.get("eval_loss", 0.0))
+      if not some_diverged:
+        problem = problem or guards.step_problem(record["step"], losses, norms)
       if problem:
         raise problem
 
@@ -697,6 +710,12 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     island_mean_loss = rank = None
     participants = _participants(config, islands)
+    diverged_this_round = set()  # islands the round's outer step excludes
+    check_islands = (jax.jit(diloco.islands_finite) if outer_step is not None
+                     else None)
+    nan_island = (participation.parse_nan_island(config.testing.nan_island,
+                                                 islands)
+                  if config.get("testing", {}).get("nan_island") else None)
     data_state = batches.state()
     start_tokens = progress.tokens_seen  # what this process trains from here
     writer.start_clock(progress.tokens_seen)
@@ -718,6 +737,9 @@ def _train(config, workdir: str, devices, launch_time: float,
       try:
         if next_batch is None:  # the prepared one was used before a rollback
           next_batch = place_batch(batches.next_batch())
+        if nan_island and step == (nan_island[1] - 1) * inner_steps + 1:
+          state = jax.jit(diloco.poison_island, static_argnums=1,
+                          out_shardings=state_shardings)(state, nan_island[0])
         state, step_metrics = inner_step(state, next_batch)
         next_batch = None
         if startup_s is None:  # launch to the first inner step's result
@@ -752,6 +774,9 @@ def _train(config, workdir: str, devices, launch_time: float,
             # those not synced this round get weight 0.
             weights = (progress.island_round_steps * tokens_per_island_step
                        * island_shares * synced)
+            # Islands that diverged are left out too (the outer step masks
+            # them on the device; this counts them).
+            excluded = synced & ~multihost.fetch(check_islands(state))
             rank_indices = _rank_indices(state)
             round_bytes = sync_bytes(rank_indices)
             rank = _mean_rank(compression, rank_indices)
@@ -759,7 +784,8 @@ def _train(config, workdir: str, devices, launch_time: float,
                                              weights_shape.sharding))
             # Per island, as everywhere: the islands not synced send
             # nothing (in this SPMD program they send zeros).
-            progress.comm_bytes += round_bytes * int(synced.sum()) // islands
+            progress.comm_bytes += (round_bytes * int((synced & ~excluded).sum())
+                                    // islands)
             progress.fp32_comm_bytes += ddp_step_bytes
           progress.rounds_done += 1
           progress.island_round_steps[:] = 0
@@ -784,14 +810,21 @@ def _train(config, workdir: str, devices, launch_time: float,
             record["codec_mean_rank"] = rank
           if outer_step is not None:
             record["active_islands"] = int(synced.sum())
+            record["excluded_islands"] = int(excluded.sum())
         checkpoint_due = _checkpoint_due(step, round_ended,
                                          progress.rounds_done, total_steps,
                                          config.checkpoint)
         if round_ended or checkpoint_due:  # its record goes out first
           pending = None
           finish_record(record, step_metrics)
-        if checkpoint_due:
+        if checkpoint_due and diverged_this_round and not round_ended:
+          logging.info("step %d: no checkpoint while island(s) %s are "
+                       "diverged; the round's outer step restarts them",
+                       step, sorted(diverged_this_round))
+        elif checkpoint_due:
           save(step)
+        if round_ended:
+          diverged_this_round.clear()
       except guards.NonFiniteError as error:
         pending = None
         step, state, progress = roll_back(error, step)

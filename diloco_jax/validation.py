@@ -59,6 +59,15 @@ def _validate_participation(config) -> None:
   _require(diloco_config.dropped_islands in participation.DROPPED_ISLANDS,
            f"config.diloco.dropped_islands={diloco_config.dropped_islands!r}"
            f" is not one of {participation.DROPPED_ISLANDS}")
+  nan_island = config.get("testing", {}).get("nan_island", "")
+  if nan_island:
+    _require(config.mode == "diloco",
+             f"config.testing.nan_island is for DiLoCo runs; config.mode="
+             f"{config.mode!r}")
+    try:
+      participation.parse_nan_island(nan_island, diloco_config.islands)
+    except ValueError as e:
+      raise ConfigError(f"config.testing.nan_island: {e}") from None
   _require(config.mode == "diloco" or not (
       diloco_config.island_schedule or diloco_config.drop_probability),
            f"config.diloco.island_schedule and drop_probability are DiLoCo's"

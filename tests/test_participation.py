@@ -1,5 +1,7 @@
 """Islands that skip rounds: schedules, dropped syncs, idle islands."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -101,3 +103,40 @@ def test_idle_islands_rejoin_with_a_fresh_inner_state():
                after, before)
   jax.tree.map(lambda a, f: np.testing.assert_array_equal(a[1], f),
                after, fresh)
+
+
+# Islands that diverge.
+
+
+def test_a_nan_island_is_left_out_and_the_run_goes_on(tmp_path, caplog):
+  caplog.set_level("INFO")
+  workdir = str(tmp_path / "nan")
+  config = _config(**{"testing.nan_island": "2@2",
+                      "checkpoint.every_steps": 1})
+  summary = train.train_and_evaluate(config, workdir)
+  assert np.isfinite(summary["final_eval_loss"])
+  records = test_checkpoint._metrics(workdir)
+  ends = {r["round"]: r for r in records if "excluded_islands" in r}
+  assert [ends[r]["excluded_islands"] for r in (1, 2, 3, 4)] == [0, 1, 0, 0]
+  # Round 2's steps average the three finite islands and count the other.
+  for record in records:
+    if record["round"] == 2:
+      assert record["diverged_islands"] == 1
+      assert np.isfinite(record["train_loss"])
+  # x never saw the NaN: every eval is finite, and the run checkpointed no
+  # state holding it (round 2's mid-round saves were skipped).
+  assert all(np.isfinite(r["eval_loss"]) for r in ends.values())
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir,
+                                                         "checkpoints")))
+  assert steps == [1, 2, 3, 6, 7, 8, 9, 10, 11, 12]
+  assert "no checkpoint while island(s) [2] are diverged" in caplog.text
+  # The diverged island's sync is not counted as sent.
+  assert ends[2]["comm_bytes"] - ends[1]["comm_bytes"] == (
+      3 * (ends[1]["comm_bytes"] // 4))
+
+
+def test_every_island_diverging_still_stops_the_run(tmp_path):
+  config = _config(**{"inner_optimizer.learning_rate": 1e4,
+                      "inner_optimizer.grad_clip_norm": 0.0})
+  with pytest.raises(Exception, match=r"^step \d+: island \d+"):
+    train.train_and_evaluate(config, str(tmp_path / "all"))
