@@ -133,15 +133,20 @@ def fetch(tree):
   """device_get for arrays that may span other processes' devices.
 
   Single-process (and fully replicated) arrays are fetched directly; the
-  others are gathered from every process (a collective: every process
-  must call this at the same point).
+  others are gathered from every process, all in one collective (every
+  process must call this at the same point).
   """
-  def get(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and (
-        not x.is_fully_replicated):
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return jax.device_get(x)
-  return jax.tree.map(get, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  spread = [i for i, x in enumerate(leaves)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable
+            and not x.is_fully_replicated]
+  fetched = jax.device_get([x for i, x in enumerate(leaves)
+                            if i not in spread])
+  gathered = (multihost_utils.process_allgather(
+      [leaves[i] for i in spread], tiled=True) if spread else [])
+  local, remote = iter(fetched), iter(gathered)
+  return treedef.unflatten([np.asarray(next(remote)) if i in spread
+                            else next(local) for i in range(len(leaves))])
 
 
 def any_process(flag: bool) -> bool:

@@ -18,12 +18,22 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopRequested(Exception):
   """The run stopped on a signal after saving; rerun the command to resume."""
 
-  def __init__(self, signal_name: str, step: int, saved: bool):
+  def __init__(self, signal_name: str, step: int, saved: bool,
+               unsaved_reason: str = "", last_saved: int | None = None):
+    """`unsaved_reason`: why step `step` was taken but not saved (the rerun
+    then resumes from `last_saved`, or from the start)."""
     self.signal_name = signal_name
     self.step = step
     self.exit_code = 128 + signal.Signals[signal_name].value  # the shell's
-    where = (f"saved a checkpoint at step {step}; rerun the same command to "
-             "resume") if saved else "no step was taken, nothing to save"
+    if saved:
+      where = (f"saved a checkpoint at step {step}; rerun the same command "
+               "to resume")
+    elif unsaved_reason:
+      where = (f"step {step} was not saved ({unsaved_reason}); rerun the same "
+               "command to resume from " + (f"step {last_saved}"
+                                            if last_saved else "the start"))
+    else:
+      where = "no step was taken, nothing to save"
     super().__init__(f"stopped by {signal_name}: {where}")
 
 

@@ -728,11 +728,17 @@ def _train(config, workdir: str, devices, launch_time: float,
       if multihost.any_process(signals.requested):
         if pending is not None:
           finish_record(*pending)
-        if step > start_step and saved_step != step:
+        # A checkpoint never holds a diverged island's NaN: mid-round, the
+        # outer step that restarts it has not run yet.
+        if step > start_step and saved_step != step and not diverged_this_round:
           save(step)
         checkpointer.wait()
-        raise stops.StopRequested(signals.signal_name, step,
-                                  saved=saved_step == step)
+        raise stops.StopRequested(
+            signals.signal_name, step, saved=saved_step == step,
+            unsaved_reason=(f"island(s) {sorted(diverged_this_round)} had "
+                            "diverged in this round" if diverged_this_round
+                            else ""),
+            last_saved=saved_step)
       step += 1
       try:
         if next_batch is None:  # the prepared one was used before a rollback

@@ -1,6 +1,7 @@
 """Islands that skip rounds: schedules, dropped syncs, idle islands."""
 
 import os
+import signal
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from configs import tiny
 from diloco_jax import diloco
 from diloco_jax import optimizers
 from diloco_jax import participation
+from diloco_jax import stops
 from diloco_jax import train
 from diloco_jax import validation
 from tests import helpers
@@ -140,3 +142,29 @@ def test_every_island_diverging_still_stops_the_run(tmp_path):
                       "inner_optimizer.grad_clip_norm": 0.0})
   with pytest.raises(Exception, match=r"^step \d+: island \d+"):
     train.train_and_evaluate(config, str(tmp_path / "all"))
+
+
+def test_a_stop_while_an_island_is_diverged_saves_nothing_and_resumes(
+    tmp_path, monkeypatch):
+  # Island 2 diverges at step 4 (round 2's start); SIGTERM during step 5.
+  overrides = {"testing.nan_island": "2@2"}
+  whole = str(tmp_path / "whole")
+  train.train_and_evaluate(_config(**overrides), whole)
+  calls = []
+
+  def stopping(inner_step, state, batch):
+    calls.append(1)
+    if len(calls) == 5:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return inner_step(state, batch)
+
+  helpers.wrap_inner_step(monkeypatch, stopping)
+  stopped = str(tmp_path / "stopped")
+  with pytest.raises(stops.StopRequested,
+                     match=r"step 5 was not saved \(island\(s\) \[2\] had "
+                     r"diverged in this round\); rerun the same command to "
+                     r"resume from step 3"):
+    train.train_and_evaluate(_config(**overrides), stopped)
+  monkeypatch.undo()
+  train.train_and_evaluate(_config(**overrides), stopped)
+  test_checkpoint._assert_identical_runs(whole, stopped)
