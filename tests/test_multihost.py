@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from diloco_jax import launch
 from diloco_jax import multihost
 from diloco_jax.data import sources
 from tests import helpers
@@ -210,6 +211,28 @@ def test_two_processes_equal_one(one_process_c4, two_processes_c4):
   assert sorted(os.listdir(workdir)) == [
       "checkpoints", "config.json", "metrics.jsonl", "run.lock",
       "summary.json", "tensorboard"]
+
+
+def test_processes_started_by_hand_with_flags(two_processes_c4, c4_dir,
+                                              tmp_path):
+  # BUILD.md's several-hosts command: each process given the coordinator,
+  # the process count and its index as flags (no launcher, no environment).
+  workdir = str(tmp_path / "flags")
+  port = launch.free_port()
+  env = {key: value for key, value in ENV.items()
+         if not key.startswith("JAX_") or key.startswith("JAX_COMPILATION")
+         or key.startswith("JAX_PERSISTENT")}
+  processes = [subprocess.Popen(
+      [sys.executable, "-m", "diloco_jax.main",
+       *_flags(workdir, *_C4_FLAGS, f"--config.data.path={c4_dir}"),
+       f"--coordinator_address=localhost:{port}", "--num_processes=2",
+       f"--process_id={index}"], cwd=REPO, env=env,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for index in (0, 1)]
+  for process in processes:
+    _, errors = process.communicate(timeout=300)
+    assert process.returncode == 0, errors[-3000:]
+  test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
 
 
 def test_an_island_spread_over_two_processes(tmp_path):
