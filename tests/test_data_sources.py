@@ -50,6 +50,16 @@ def _write_mixed_files(directory: pathlib.Path, count: int) -> dict[str, str]:
   return kinds
 
 
+def _write_c4_shards(directory: pathlib.Path, documents: list[str]) -> None:
+  """C4-format JSONL: `documents` dealt over 4 train shards, one prose
+  document in the validation shard."""
+  for shard in range(4):
+    (directory / f"c4-train.{shard:05d}-of-00004.jsonl").write_text("".join(
+        json.dumps({"text": text}) + "\n" for text in documents[shard::4]))
+  (directory / "c4-validation.00000-of-00001.jsonl").write_text(
+      json.dumps({"text": _prose(99)}) + "\n")
+
+
 # SentencePiece.
 
 
@@ -294,12 +304,8 @@ def test_balanced_text_files_islands_hold_equal_tokens(tmp_path):
 
 
 def test_balanced_c4_stream_holds_equal_tokens_and_resumes(tmp_path):
-  documents = [_code(i) if i % 4 == 0 else _prose(i) for i in range(80)]
-  for shard in range(4):
-    (tmp_path / f"c4-train.{shard:05d}-of-00004.jsonl").write_text("".join(
-        json.dumps({"text": text}) + "\n" for text in documents[shard::4]))
-  (tmp_path / "c4-validation.00000-of-00001.jsonl").write_text(
-      json.dumps({"text": _prose(99)}) + "\n")
+  _write_c4_shards(tmp_path, [_code(i) if i % 4 == 0 else _prose(i)
+                               for i in range(80)])
   config = _data_config(corpus="c4", path=str(tmp_path),
                         island_split="clustered_balanced")
   source = sources.make_batch_source(config, 2, batch_size=2, seed=0)
@@ -367,12 +373,8 @@ def test_clustered_synthetic_islands_cover_the_documents_once():
 
 
 def test_clustered_c4_stream_keeps_each_kind_on_one_island(tmp_path):
-  documents = [_code(i) if i % 2 else _prose(i) for i in range(40)]
-  for shard in range(4):
-    (tmp_path / f"c4-train.{shard:05d}-of-00004.jsonl").write_text("".join(
-        json.dumps({"text": text}) + "\n" for text in documents[shard::4]))
-  (tmp_path / "c4-validation.00000-of-00001.jsonl").write_text(
-      json.dumps({"text": _prose(99)}) + "\n")
+  _write_c4_shards(tmp_path, [_code(i) if i % 2 else _prose(i)
+                               for i in range(40)])
   config = _data_config(corpus="c4", path=str(tmp_path),
                         island_split="clustered")
   source = sources.make_batch_source(config, 2, batch_size=2, seed=0)
