@@ -9,6 +9,7 @@ Signals go to real `python -m diloco_jax.main` subprocesses.
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,7 +171,9 @@ def test_digests_ignore_placement_and_catch_every_single_bit_flip():
 
 def _flip_bytes_in_data_files(step_dir):
   """Flips 64 bytes in the middle of the largest array data file of orbax's
-  OCDBT store, its size unchanged: the arrays' values, not its index."""
+  OCDBT store, its size unchanged. The store compresses its chunks, so what
+  breaks depends on where the bytes land: a chunk that no longer decodes, an
+  index entry, or values that decode wrong (caught by the checksums)."""
   data = os.path.join(step_dir, "state", "ocdbt.process_0", "d")
   path = max((os.path.join(data, name) for name in os.listdir(data)),
              key=os.path.getsize)
@@ -181,24 +184,56 @@ def _flip_bytes_in_data_files(step_dir):
     f.write(bytes(b ^ 0xFF for b in chunk))
 
 
-def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_the_previous_used(
+def _rewrite_state_with_one_value_changed(step_dir):
+  """Writes the step's arrays again, valid files that decode cleanly, with
+  one float changed: corruption only the saved checksums can notice."""
+  state_dir = os.path.join(step_dir, "state")
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(state_dir).item_metadata
+  state = checkpointer.restore(state_dir, restore_args=jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata))
+  leaves, treedef = jax.tree.flatten(state)
+  largest = max(range(len(leaves)), key=lambda i: leaves[i].size)
+  changed = leaves[largest].copy()
+  changed.reshape(-1)[changed.size // 2] += 1.0
+  leaves[largest] = changed
+  shutil.rmtree(state_dir)
+  checkpointer.save(state_dir, jax.tree.unflatten(treedef, leaves))
+
+
+def _resume_expecting_one_unreadable(config, workdir, caplog):
+  """Resumes a finished run whose step-12 checkpoint was damaged; returns
+  the one warning that set it aside."""
+  os.remove(os.path.join(workdir, "summary.json"))
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    train.train_and_evaluate(config, workdir)
+  warnings = [r.getMessage() for r in caplog.records
+              if "unreadable" in r.getMessage()]
+  assert len(warnings) == 1 and "step 12" in warnings[0], warnings
+  return warnings[0]
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_used(
     tmp_path, caplog):
-  workdir = str(tmp_path / "flipped")
+  workdir = str(tmp_path / "damaged")
   config = test_checkpoint._config  # pylint: disable=protected-access
   whole = str(tmp_path / "whole")
   train.train_and_evaluate(config(), whole)
   train.train_and_evaluate(config(), workdir)
-  os.remove(os.path.join(workdir, "summary.json"))
-  _flip_bytes_in_data_files(os.path.join(workdir, "checkpoints", "12"))
-  with caplog.at_level("WARNING"):
-    train.train_and_evaluate(config(), workdir)
-  warnings = [r.getMessage() for r in caplog.records
-              if "unreadable" in r.getMessage()]
-  assert len(warnings) == 1 and "step 12" in warnings[0], warnings
-  # The files still decode: only the content checksums notice.
-  assert "does not match its checksum" in warnings[0], warnings
-  assert any(name.startswith("12.") for name in os.listdir(
-      os.path.join(workdir, "checkpoints.unreadable")))
+  step_dir = os.path.join(workdir, "checkpoints", "12")
+
+  # Bytes flipped on disk: whatever error they cause, the step is set aside.
+  _flip_bytes_in_data_files(step_dir)
+  _resume_expecting_one_unreadable(config(), workdir, caplog)
+  test_checkpoint._assert_identical_runs(whole, workdir)  # pylint: disable=protected-access
+
+  # Files that decode cleanly to a wrong value: only the checksums notice.
+  _rewrite_state_with_one_value_changed(step_dir)
+  warning = _resume_expecting_one_unreadable(config(), workdir, caplog)
+  assert "does not match its checksum" in warning, warning
+  assert sorted(name.split(".")[0] for name in os.listdir(
+      os.path.join(workdir, "checkpoints.unreadable"))) == ["12", "12"]
   test_checkpoint._assert_identical_runs(whole, workdir)  # pylint: disable=protected-access
 
 
