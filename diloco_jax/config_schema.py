@@ -48,6 +48,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco.island_schedule = ""
   c.diloco.drop_probability = 0.0
   c.diloco.dropped_islands = "train"
+  # 'none': islands wait for each round's collective; 'one_step_delay'
+  # (DiLoCoX): round r's mean is applied at the end of round r + 1, so its
+  # collective overlaps a round of local training (diloco.make_outer_step).
+  c.diloco.overlap = "none"
   c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False

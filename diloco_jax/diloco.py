@@ -8,7 +8,9 @@ island, arrays are replicated over its 'data' devices, or split over them
 with FSDP (placement.fsdp_spec). The inner step advances every island at
 once; the outer step averages the pseudo-gradients x - y_i across islands
 (through the communication boundary), applies the outer optimizer and
-resets every island to the new x.
+resets every island to the new x. With one-step-delay overlap the outer
+step applies the previous round's mean instead and leaves this round's in
+flight (see make_outer_step).
 
 The same inner step serves all three modes: `ddp` additionally averages the
 gradients across islands every step, `single` is one island that never syncs.
@@ -46,6 +48,11 @@ class TrainState(flax.struct.PyTreeNode):
       the codec has not sent yet (stacked like island_params), or None.
     codec_state: what the codec carries across rounds (replicated; the
       low-rank codecs' warm-start bases and ranks), or None.
+    in_flight: one-step-delay overlap: the mean pseudo-gradient of the last
+      round, sent but not yet applied (float32, shaped like x), or None.
+    in_flight_valid: whether `in_flight` holds an update to apply (a bool;
+      False before the first round ends, after the final one is applied,
+      or when no island took part in that round), or None.
   """
   step: jax.Array
   round: jax.Array
@@ -55,6 +62,15 @@ class TrainState(flax.struct.PyTreeNode):
   inner_opt_state: Any
   residuals: Any = None
   codec_state: Any = None
+  in_flight: Any = None
+  in_flight_valid: Any = None
+
+
+# How the outer step meets the local training (config.diloco.overlap):
+# 'none' applies each round's mean at once (the islands wait for the
+# collective); 'one_step_delay' applies it one round late, so the collective
+# of round r has all of round r + 1 to arrive.
+OVERLAPS = ("none", "one_step_delay")
 
 
 def _stack(tree, n: int):
@@ -74,15 +90,21 @@ def num_islands(state: TrainState) -> int:
 def init_state(params, inner_opt: optax.GradientTransformation,
                outer_opt: optax.GradientTransformation,
                num_islands: int, error_feedback: bool = False,
-               compression=None, seed: int = 0) -> TrainState:
+               compression=None, seed: int = 0,
+               overlap: str = "none") -> TrainState:
   """Every island starts from the same params with a fresh inner state.
 
   With `error_feedback` the state holds zero residuals; with a `compression`
   (as make_outer_step takes it) that keeps state, its initial codec state
-  (seeded by `seed`).
+  (seeded by `seed`); with `overlap` 'one_step_delay', an empty slot for
+  the update in flight.
   """
   island_params = _stack(params, num_islands)
+  delayed = _is_delayed(overlap)
   return TrainState(
+      in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                              params) if delayed else None),
+      in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
       codec_state=compression_lib.init_codec_state(
           params, compression_lib.as_compression(compression), seed),
       residuals=(_zero_residuals(params, num_islands) if error_feedback
@@ -114,7 +136,28 @@ def state_partition_specs(state: TrainState, data_size: int = 1,
       inner_opt_state=per_island(state.inner_opt_state),
       residuals=per_island(state.residuals),
       codec_state=jax.tree.map(lambda _: P(), state.codec_state),
+      in_flight=shared(state.in_flight),
+      in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
   )
+
+
+def _is_delayed(overlap: str) -> bool:
+  if overlap not in OVERLAPS:
+    raise ValueError(f"overlap={overlap!r} is not one of {OVERLAPS}")
+  return overlap == "one_step_delay"
+
+
+def _outer_update(outer_opt, global_params, outer_opt_state, update,
+                  takes_effect):
+  """(x, outer state) after the outer optimizer's step on `update`, or both
+  unchanged when `takes_effect` is False (momentum alone would move x)."""
+  updates, new_state = outer_opt.update(update, outer_opt_state,
+                                        global_params)
+  new_global = optax.apply_updates(global_params, updates)
+  unless_not = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(takes_effect, n, o), new, old)
+  return (unless_not(new_global, global_params),
+          unless_not(new_state, outer_opt_state))
 
 
 def state_shardings(state: TrainState, mesh, fsdp: bool = False) -> TrainState:
@@ -221,7 +264,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     compression=None, rounding_seed: int | None = None,
                     fsdp: bool = False,
                     inner_opt: optax.GradientTransformation | None = None,
-                    restart_dropped: bool = False):
+                    restart_dropped: bool = False, overlap: str = "none"):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a codecs.DenseCodec, or None
@@ -247,12 +290,21 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   If no island takes part, x, the outer optimizer state and the codec
   state do not change.
 
+  With `overlap` 'one_step_delay' (DiLoCoX's overlap of communication with
+  local training), round r's pseudo-gradients are taken against the x the
+  islands started from, s_r, and their mean D(r) is left in flight
+  (state.in_flight); the outer optimizer steps on D(r - 1), the mean that
+  had all of round r to arrive: x_r = OuterOpt(x_{r-1}, D(r - 1)), and
+  round r + 1 starts from s_{r+1} = x_r. Round 0 applies nothing (s_0 = s_1
+  = x_0); make_flush applies the last mean at the end of the run.
+
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
   compression = compression_lib.as_compression(compression)
+  delayed = _is_delayed(overlap)
   # With FSDP each of an island's 'data' devices sends its own shards.
   stripes = mesh.shape[DATA] if fsdp else 1
 
@@ -299,19 +351,23 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     mean, residuals, codec_state, included, finite = sync(
         state.global_params, state.island_params, state.residuals,
         state.codec_state, weights, state.round)
+    anyone = jnp.any(included)
+    # With no island taking part, the codec state stays as it was.
+    codec_state = jax.tree.map(lambda n, o: jnp.where(anyone, n, o),
+                               codec_state, state.codec_state)
     # The outer optimizer runs once per device on the replicated x, not once
     # per folded island.
-    updates, outer_state = outer_opt.update(mean, state.outer_opt_state,
-                                            state.global_params)
-    new_global = optax.apply_updates(state.global_params, updates)
-    # With no island taking part, x, the outer state (momentum would still
-    # move x) and the codec state stay as they were.
-    anyone = jnp.any(included)
-    unless_nobody = lambda new, old: jax.tree.map(
-        lambda n, o: jnp.where(anyone, n, o), new, old)
-    new_global = unless_nobody(new_global, state.global_params)
-    outer_state = unless_nobody(outer_state, state.outer_opt_state)
-    codec_state = unless_nobody(codec_state, state.codec_state)
+    if delayed:
+      new_global, outer_state = _outer_update(
+          outer_opt, state.global_params, state.outer_opt_state,
+          state.in_flight, state.in_flight_valid)
+      state = state.replace(
+          in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), mean),
+          in_flight_valid=anyone)
+    else:
+      new_global, outer_state = _outer_update(
+          outer_opt, state.global_params, state.outer_opt_state, mean,
+          anyone)
     inner_opt_state = state.inner_opt_state
     if inner_opt is not None:
       fresh = optimizers.with_step_counts(
@@ -334,6 +390,30 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
   return jax.jit(outer, donate_argnums=0)
+
+
+def make_flush(outer_opt: optax.GradientTransformation, mesh,
+               fsdp: bool = False):
+  """Builds the jitted end of a one-step-delay run: flush(state) -> state.
+
+  The mean still in flight after the last round is received and applied
+  (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x,
+  and the slot is emptied, so a run extended later starts its delay anew.
+  `state` is donated.
+  """
+
+  def flush(state: TrainState) -> TrainState:
+    new_global, outer_state = _outer_update(
+        outer_opt, state.global_params, state.outer_opt_state,
+        state.in_flight, state.in_flight_valid)
+    state = state.replace(
+        global_params=new_global, outer_opt_state=outer_state,
+        island_params=_stack(new_global, num_islands(state)),
+        in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
+        in_flight_valid=jnp.zeros((), jnp.bool_))
+    return placement.constrain(state, state_shardings(state, mesh, fsdp))
+
+  return jax.jit(flush, donate_argnums=0)
 
 
 def islands_finite(state: TrainState) -> jax.Array:

@@ -23,6 +23,7 @@ class Programs(NamedTuple):
   """A run's compiled steps (None where the mode has no such step)."""
   inner_step: Any
   outer_step: Any
+  flush: Any  # one_step_delay: applies the update in flight at the end
   evaluate: Any
   evaluate_island_mean: Any
   inspect_state: Any  # integrity.inspect_state, checked before each save
@@ -56,20 +57,23 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
       sync_gradients_across_islands=(mode == "ddp"),
       microbatches=config.data.microbatches, fsdp=fsdp).lower(
           state, batch).compile()
-  outer_step = evaluate_island_mean = None
+  outer_step = evaluate_island_mean = flush = None
   if mode == "diloco":
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
                        else None), fsdp=fsdp,
         inner_opt=inner_opt,
-        restart_dropped=config.diloco.dropped_islands == "idle").lower(
-            state, weights).compile()
+        restart_dropped=config.diloco.dropped_islands == "idle",
+        overlap=config.diloco.overlap).lower(state, weights).compile()
+    if config.diloco.overlap == "one_step_delay":
+      flush = diloco.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
     evaluate_island_mean = diloco.make_evaluate(
         loss_fn, mode, island_mean=True).lower(state, eval_batch).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
       state, eval_batch).compile()
-  return Programs(inner_step, outer_step, evaluate, evaluate_island_mean,
+  return Programs(inner_step, outer_step, flush, evaluate,
+                  evaluate_island_mean,
                   integrity.compile_inspector(state),
                   time.perf_counter() - start)
 

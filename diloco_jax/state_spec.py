@@ -31,6 +31,7 @@ class StateSpec:
     compression: the codec settings (None outside 'diloco').
     error_feedback: whether the state keeps per-island residuals.
     seed: seeds the params and the codec state.
+    overlap: diloco.OVERLAPS; 'one_step_delay' keeps the update in flight.
   """
   mode: str
   islands: int
@@ -39,12 +40,14 @@ class StateSpec:
   compression: Any
   error_feedback: bool
   seed: int
+  overlap: str = "none"
 
   def init(self, params) -> diloco.TrainState:
     """The state with every island and x at `params` (traceable)."""
     return diloco.init_state(params, self.inner_opt, self.outer_opt,
                              self.islands, self.error_feedback,
-                             self.compression, seed=self.seed)
+                             self.compression, seed=self.seed,
+                             overlap=self.overlap)
 
   def abstract(self, model_config) -> diloco.TrainState:
     """The state's shapes and dtypes, computing nothing."""
@@ -64,4 +67,7 @@ def for_config(config, islands: int | None = None) -> StateSpec:
       compression=(compression_lib.from_config(config.diloco)
                    if mode == "diloco" else None),
       error_feedback=mode == "diloco" and config.diloco.error_feedback,
-      seed=config.seed)
+      seed=config.seed,
+      # Configs saved before the field existed had no overlap.
+      overlap=(config.diloco.get("overlap", "none") if mode == "diloco"
+               else "none"))

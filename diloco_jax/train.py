@@ -210,7 +210,8 @@ def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
       raise checkpointing.IncompatibleCheckpointError(
           f"{where} has another state layout: {mismatch} (config.diloco."
           "outer_optimizer, config.inner_optimizer, config.diloco.codec "
-          "settings or config.diloco.error_feedback differ)")
+          "settings, config.diloco.error_feedback or config.diloco.overlap "
+          "differ)")
     saved_islands = meta["islands"]
     checksums = meta.get(checkpointing.CHECKSUMS)
     if saved_islands == islands:
@@ -312,6 +313,7 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
       "comm_bytes": progress.comm_bytes,
       "ddp_comm_bytes": progress.ddp_comm_bytes,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
+      "overlap": config.diloco.overlap,
       # What the codec saved on the syncs, and what it saved against DDP.
       "compression_vs_fp32": _ratio(progress.fp32_comm_bytes,
                                     progress.comm_bytes),
@@ -793,6 +795,8 @@ def _train(config, workdir: str, devices, launch_time: float,
             progress.comm_bytes += (round_bytes * int((synced & ~excluded).sum())
                                     // islands)
             progress.fp32_comm_bytes += ddp_step_bytes
+            if step == total_steps and programs.flush is not None:
+              state = programs.flush(state)  # the last update in flight
           progress.rounds_done += 1
           progress.island_round_steps[:] = 0
         record = {

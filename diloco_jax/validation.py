@@ -9,6 +9,7 @@ from diloco_jax import codecs
 from diloco_jax import compression
 from diloco_jax import config_changes
 from diloco_jax import config_schema
+from diloco_jax import diloco as diloco_lib
 from diloco_jax import guards
 from diloco_jax import model as model_lib
 from diloco_jax import participation
@@ -68,6 +69,12 @@ def _validate_participation(config) -> None:
       participation.parse_nan_island(nan_island, diloco_config.islands)
     except ValueError as e:
       raise ConfigError(f"config.testing.nan_island: {e}") from None
+  _require(diloco_config.overlap in diloco_lib.OVERLAPS,
+           f"config.diloco.overlap={diloco_config.overlap!r} is not one of "
+           f"{diloco_lib.OVERLAPS}")
+  _require(config.mode == "diloco" or diloco_config.overlap == "none",
+           f"config.diloco.overlap={diloco_config.overlap!r} overlaps DiLoCo's"
+           f" outer steps; config.mode={config.mode!r} has none")
   _require(config.mode == "diloco" or not (
       diloco_config.island_schedule or diloco_config.drop_probability),
            f"config.diloco.island_schedule and drop_probability are DiLoCo's"

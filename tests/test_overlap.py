@@ -1,0 +1,259 @@
+"""One-step-delay overlap (config.diloco.overlap='one_step_delay').
+
+The schedule: s_0 = s_1 = x_0; at the end of round r every island sends
+d_i(r) = s_r - y_i, the outer step applies the mean that was in flight,
+x_r = OuterOpt(x_{r-1}, D(r - 1)), and round r + 1 starts from s_{r+1} = x_r;
+the last mean is applied when the run ends.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import tiny
+from diloco_jax import compression as compression_lib
+from diloco_jax import config_schema
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import train
+from diloco_jax import validation
+from tests import helpers
+from tests import test_checkpoint
+
+LR, MOMENTUM = 0.7, 0.9
+
+
+def _nesterov(x, momentum, update):
+  """optax.sgd(LR, MOMENTUM, nesterov=True), by hand."""
+  momentum = update + MOMENTUM * momentum
+  return x - LR * (update + MOMENTUM * momentum), momentum
+
+
+def _islands_moved(start, deltas):
+  """Island params as if each island trained to start - delta_i."""
+  return jax.tree.map(lambda s, d: s[None] - d, start, deltas)
+
+
+def _random_deltas(key, params, islands):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [
+      0.01 * jax.random.normal(k, (islands,) + leaf.shape)
+      for k, leaf in zip(keys, leaves)])
+
+
+def _delayed_setup(islands, data=1, fsdp=False, compression=None,
+                   error_feedback=False):
+  params, _ = helpers.tiny_problem()
+  params = jax.tree.map(np.array, params)
+  inner_opt = optax.adam(1e-2)
+  outer_opt = optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
+  mesh = mesh_lib.build_mesh(islands, data)
+  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+                            error_feedback, compression,
+                            overlap="one_step_delay")
+  shardings = diloco.state_shardings(state, mesh, fsdp)
+  state = jax.device_put(state, shardings)
+  outer = diloco.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
+                                 inner_opt=inner_opt,
+                                 overlap="one_step_delay")
+  flush = diloco.make_flush(outer_opt, mesh, fsdp)
+  return params, mesh, shardings, state, outer, flush
+
+
+def _weights(values, mesh):
+  return jax.device_put(jnp.asarray(values, jnp.float32),
+                        NamedSharding(mesh, P("island")))
+
+
+def _set_islands(state, island_params, shardings):
+  return jax.device_put(state.replace(island_params=island_params),
+                        shardings)
+
+
+@pytest.mark.parametrize("islands,data,fsdp", [
+    (2, 1, False),  # one island per device slot
+    (4, 1, False),  # folded: several islands per device (8 forced CPUs)
+    (2, 2, True),   # sharded: each island's params split over 2 devices
+])
+def test_x_follows_the_hand_written_delayed_schedule(islands, data, fsdp):
+  params, mesh, shardings, state, outer, flush = _delayed_setup(
+      islands, data, fsdp)
+  weights = np.array([1.0, 3.0, 2.0, 2.0][:islands])
+  x = jax.tree.map(np.float32, params)
+  momentum = jax.tree.map(np.zeros_like, x)
+  in_flight = None  # s_0 = x_0; nothing in flight yet
+  key = jax.random.key(0)
+  for r in range(3):
+    deltas = jax.tree.map(np.asarray, _random_deltas(
+        jax.random.fold_in(key, r), params, islands))
+    state = _set_islands(state, _islands_moved(
+        jax.device_get(state.global_params), deltas), shardings)
+    state = outer(state, _weights(weights, mesh))
+    # By hand: d_i = s_r - y_i = delta_i, weighted by tokens.
+    mean = jax.tree.map(
+        lambda d: np.tensordot(weights / weights.sum(), d, axes=1), deltas)
+    if in_flight is not None:  # D(r - 1) lands now
+      pairs = jax.tree.map(lambda a, m, u: _nesterov(a, m, u), x, momentum,
+                           in_flight)
+      x = jax.tree.map(lambda p: p[0], pairs,
+                       is_leaf=lambda t: isinstance(t, tuple))
+      momentum = jax.tree.map(lambda p: p[1], pairs,
+                              is_leaf=lambda t: isinstance(t, tuple))
+    in_flight = mean
+    helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-7)
+    # Round r + 1 starts from s_{r+1} = x_r on every island.
+    helpers.assert_trees_close(
+        state.island_params,
+        jax.tree.map(lambda s: np.broadcast_to(s, (islands,) + s.shape),
+                     jax.device_get(state.global_params)), rtol=0, atol=0)
+    assert bool(state.in_flight_valid)
+    if r == 0:  # s_1 = x_0: the first round applies nothing
+      helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
+  state = flush(state)
+  x, _ = jax.tree.map(lambda a, m, u: _nesterov(a, m, u), x, momentum,
+                      in_flight), None
+  x = jax.tree.map(lambda p: p[0], x, is_leaf=lambda t: isinstance(t, tuple))
+  helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+  assert not bool(state.in_flight_valid)
+  helpers.assert_trees_close(
+      state.in_flight, jax.tree.map(np.zeros_like, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("codec,error_feedback", [
+    ("int8", True), ("topk", True), ("adaptive_lowrank", True),
+    ("int4", False)])
+def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
+                                                        error_feedback):
+  """The in-flight mean is what the codec's outer step averages at once,
+  with the same residuals and codec state: the delay only moves when it is
+  applied."""
+  islands = 4
+  settings = config_schema.base_config().diloco
+  settings.codec, settings.codec_block_size = codec, 32
+  settings.lowrank.min_rank, settings.lowrank.max_rank = 2, 4
+  settings.topk_fraction = 0.1
+  compression = compression_lib.from_config(settings)
+  params, mesh, shardings, delayed, outer, _ = _delayed_setup(
+      islands, compression=compression, error_feedback=error_feedback)
+  # The undelayed step with outer SGD lr 1 applies x - D: D is its mean.
+  plain_opt = optax.sgd(1.0)
+  plain = diloco.init_state(params, optax.adam(1e-2), plain_opt, islands,
+                            error_feedback, compression)
+  plain_shardings = diloco.state_shardings(plain, mesh)
+  plain = jax.device_put(plain, plain_shardings)
+  plain_outer = diloco.make_outer_step(plain_opt, mesh, compression)
+  weights = _weights(np.ones(islands), mesh)
+  for r in range(2):
+    start = jax.device_get(delayed.global_params)
+    moved = _islands_moved(start, _random_deltas(jax.random.key(r), params,
+                                                 islands))
+    delayed = _set_islands(delayed, moved, shardings)
+    plain = jax.device_put(plain.replace(
+        global_params=start, island_params=moved), plain_shardings)
+    delayed = outer(delayed, weights)
+    plain = plain_outer(plain, weights)
+    sent = jax.tree.map(jnp.subtract, start,
+                        jax.device_get(plain.global_params))
+    helpers.assert_trees_close(delayed.in_flight, sent, rtol=1e-5, atol=1e-7)
+    for name in ("residuals", "codec_state"):
+      jax.tree.map(np.testing.assert_array_equal,
+                   jax.device_get(getattr(delayed, name)),
+                   jax.device_get(getattr(plain, name)))
+
+
+def test_a_round_without_islands_sends_nothing_to_apply_next_round():
+  islands = 2
+  params, mesh, shardings, state, outer, flush = _delayed_setup(islands)
+  state = _set_islands(state, _islands_moved(
+      params, _random_deltas(jax.random.key(0), params, islands)), shardings)
+  state = outer(state, _weights([0.0, 0.0], mesh))  # nobody synced round 0
+  assert not bool(state.in_flight_valid)
+  state = _set_islands(state, _islands_moved(
+      params, _random_deltas(jax.random.key(1), params, islands)), shardings)
+  outer_before = jax.device_get(state.outer_opt_state)
+  state = outer(state, _weights([1.0, 1.0], mesh))
+  # Round 1 applies round 0's (empty) mean: x and the momentum stay.
+  helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.device_get(state.outer_opt_state), outer_before)
+  assert bool(state.in_flight_valid)
+  state = flush(state)  # round 1's mean does land
+  assert any(not np.allclose(new, old) for new, old in zip(
+      jax.tree.leaves(jax.device_get(state.global_params)),
+      jax.tree.leaves(params)))
+
+
+def test_a_diverged_island_is_left_out_of_the_mean_in_flight():
+  islands = 2
+  params, mesh, shardings, state, outer, _ = _delayed_setup(islands)
+  deltas = _random_deltas(jax.random.key(0), params, islands)
+  moved = _islands_moved(params, deltas)
+  moved = jax.tree.map(lambda y: y.at[1].set(jnp.nan), moved)
+  state = outer(_set_islands(state, moved, shardings),
+                _weights([1.0, 1.0], mesh))
+  helpers.assert_trees_close(state.in_flight,
+                             jax.tree.map(lambda d: d[0], deltas),
+                             rtol=1e-5, atol=1e-7)
+  assert all(np.isfinite(leaf).all()
+             for leaf in jax.tree.leaves(jax.device_get(state)))
+
+
+# Runs.
+
+
+def _config(**overrides):
+  return helpers.with_overrides(tiny.get_config(), {
+      "diloco.islands": 4, "total_steps": 12, "diloco.inner_steps": 3,
+      "diloco.overlap": "one_step_delay", "checkpoint.every_steps": 2,
+      "checkpoint.max_to_keep": 20, **overrides})
+
+
+def test_one_round_delayed_ends_where_plain_diloco_does(tmp_path):
+  """With a single round the only update is applied at the end: the same
+  x as plain DiLoCo's one outer step."""
+  one_round = {"total_steps": 3}
+  delayed = train.train_and_evaluate(_config(**one_round),
+                                     str(tmp_path / "delayed"))
+  plain = train.train_and_evaluate(
+      _config(**one_round, **{"diloco.overlap": "none"}),
+      str(tmp_path / "plain"))
+  assert delayed["final_eval_loss"] == plain["final_eval_loss"]
+  jax.tree.map(np.testing.assert_array_equal,
+               test_checkpoint._final_state(str(tmp_path / "delayed"))[
+                   "global_params"],
+               test_checkpoint._final_state(str(tmp_path / "plain"))[
+                   "global_params"])
+
+
+def test_resume_with_an_update_in_flight_is_exact(tmp_path):
+  """Killed at step 8, mid-round 3, while round 2's mean is in flight."""
+  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+  summary = train.train_and_evaluate(_config(), whole)
+  assert summary["overlap"] == "one_step_delay"
+  train.train_and_evaluate(_config(), resumed)
+  checkpoints = os.path.join(resumed, "checkpoints")
+  saved = test_checkpoint._final_state(whole)  # pylint: disable=protected-access
+  assert not saved["in_flight_valid"]  # the last mean was applied
+  for step in os.listdir(checkpoints):
+    if int(step) > 8:
+      shutil.rmtree(os.path.join(checkpoints, step))
+  os.remove(os.path.join(resumed, "summary.json"))
+  train.train_and_evaluate(_config(), resumed)
+  test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"diloco.overlap": "async"}, "config.diloco.overlap='async' is not one"),
+    ({"mode": "ddp"}, "config.diloco.overlap='one_step_delay' overlaps"),
+])
+def test_bad_overlap_settings_are_one_error(overrides, message):
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(_config(**overrides), num_devices=8)
