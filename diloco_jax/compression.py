@@ -1,7 +1,8 @@
 """Codecs over pytrees: how a whole pseudo-gradient crosses the island link.
 
-Dense codecs (fp32, bf16, fp16, int8, int4; see codecs.py) encode the whole
-flattened tree and reduce it with a compressed reduce-scatter + all-gather.
+Dense codecs (fp32, bf16, fp16, int8, int4, fp4; see codecs.py) encode the
+whole flattened tree and reduce it with a compressed reduce-scatter +
+all-gather.
 Structured codecs work on each matrix (a tensor of rank >= 2, viewed as
 [rows, cols] by lowrank.matrix_view); vectors and tensors too small to gain
 go through the `fallback` dense codec:
@@ -17,7 +18,8 @@ go through the `fallback` dense codec:
   adaptive_lowrank  the same, with each matrix's rank chosen every round
                     from [min_rank, max_rank] to keep energy_fraction of
                     the energy, and factors sent through `factor_codec`
-                    (int8/int4) in a compressed all-reduce.
+                    (any dense codec, e.g. int4 or fp4) in a compressed
+                    all-reduce.
 
 The sparse codecs (sign_prune, topk) carry values + positions through the
 compressed reduce-scatter + all-gather (communication.chunked_reduce): the

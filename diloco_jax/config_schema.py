@@ -34,10 +34,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco.islands = 4  # k; ddp uses them as data-parallel workers
   c.diloco.inner_steps = 50  # H
   # How pseudo-gradients cross the island link (see compression.py). Dense:
-  # 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' (blockwise codecs use one
-  # scale per block). Per matrix: 'sign_prune' | 'topk' | 'lowrank' |
-  # 'adaptive_lowrank', with vectors and small tensors sent by
-  # fallback_codec.
+  # 'fp32' | 'bf16' | 'fp16' | 'int8' | 'int4' | 'fp4' (e2m1 4-bit floats;
+  # blockwise codecs use one scale per block, an even block_size). Per
+  # matrix: 'sign_prune' | 'topk' | 'lowrank' | 'adaptive_lowrank', with
+  # vectors and small tensors sent by fallback_codec.
   c.diloco.codec = "fp32"
   c.diloco.codec_block_size = 256
   # Which islands take part in each round (participation.py): a schedule of
@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
   # (DiLoCoX): round r's mean is applied at the end of round r + 1, so its
   # collective overlaps a round of local training (diloco.make_outer_step).
   c.diloco.overlap = "none"
-  c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4
+  c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4/fp4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False
   c.diloco.fallback_codec = "int4"  # a dense codec

@@ -268,7 +268,7 @@ def _validate_compression(config) -> None:
   _require(
       diloco.codec_block_size % 2 == 0,
       f"config.diloco.codec_block_size={diloco.codec_block_size} must "
-      "be even (int4 packs two values per byte)",
+      "be even (int4 and fp4 pack two values per byte)",
   )
   for field in ("fallback_codec", "lowrank.factor_codec"):
     value = diloco.lowrank.factor_codec if "." in field else diloco[field]

@@ -16,7 +16,7 @@ from diloco_jax import placement
 from diloco_jax.placement import PER_ISLAND
 from tests import helpers
 
-LOSSY = ("bf16", "fp16", "int8", "int4")
+LOSSY = ("bf16", "fp16", "int8", "int4", "fp4")
 
 
 def _vector(n=4096, seed=0):
@@ -116,6 +116,7 @@ def test_int8_sends_about_four_times_fewer_bytes_at_any_island_count(islands):
   assert 1.95 < ratios["bf16"] <= 2.0
   assert 1.9 < ratios["fp16"] <= 2.0
   assert 7.4 < ratios["int4"] <= 8.0
+  assert ratios["fp4"] == ratios["int4"]  # the same bits, another grid
 
 
 def test_byte_count_by_hand():
