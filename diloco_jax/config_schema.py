@@ -52,6 +52,15 @@ def base_config() -> ml_collections.ConfigDict:
   # (DiLoCoX): round r's mean is applied at the end of round r + 1, so its
   # collective overlaps a round of local training (diloco.make_outer_step).
   c.diloco.overlap = "none"
+  # Streaming DiLoCo (fragments.py): the params in `fragments` groups of
+  # consecutive blocks, fragment p synced every inner_steps steps at offset
+  # p * inner_steps / fragments; each sync's mean is folded into the islands
+  # `fragment_delay` steps later (its collective overlaps them) as
+  # fragment_alpha * local + (1 - fragment_alpha) * global. 1, 0, 0 is
+  # plain DiLoCo.
+  c.diloco.fragments = 1
+  c.diloco.fragment_delay = 0
+  c.diloco.fragment_alpha = 0.0
   c.diloco.stochastic_rounding = False  # unbiased rounding in int8/int4/fp4
   # Keep what the codec did not send, per island, and add it next round.
   c.diloco.error_feedback = False

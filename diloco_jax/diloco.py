@@ -260,6 +260,65 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
   return jax.jit(step, donate_argnums=0)
 
 
+def make_island_sync(mesh, compression=None,
+                     rounding_seed: int | None = None, fsdp: bool = False):
+  """The cross-island part of an outer step, for any subtree of the params.
+
+  Returns sync(global_params, island_params, residuals, codec_state,
+  weights, round_index) -> (mean, residuals, codec_state, included, finite)
+  (traceable; call it inside jit): the weighted mean of the islands'
+  pseudo-gradients x - y_i (plus their residuals) through `compression`,
+  each island's new residual, the next codec state, and per island whether
+  it took part and whether its pseudo-gradient was finite. An island with
+  weight 0 or a non-finite pseudo-gradient is masked before any arithmetic
+  and keeps its residual. `round_index` seeds stochastic rounding (with
+  `rounding_seed`) with the island's index, so a resumed run draws the
+  same noise.
+  """
+  compression = compression_lib.as_compression(compression)
+  # With FSDP each of an island's 'data' devices sends its own shards.
+  stripes = mesh.shape[DATA] if fsdp else 1
+
+  def island_sync(global_params, island_params, residuals, codec_state,
+                  weight, round_index):
+    """One island's pseudo-gradient through the codec: the mean, what the
+    codec left unsent (error feedback) and the next codec state."""
+    pseudo_grad = jax.tree.map(jnp.subtract, global_params, island_params)
+    if residuals is not None:
+      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
+    # An island without weight (not synced this round) or whose
+    # pseudo-gradient is not finite (it diverged) takes no part: its values
+    # are zeroed before any arithmetic, since NaN x 0 is still NaN.
+    finite = all_finite(pseudo_grad)
+    included = (weight > 0) & finite
+    weight = jnp.where(included, weight, 0.0)
+    pseudo_grad = jax.tree.map(lambda g: jnp.where(included, g, 0),
+                               pseudo_grad)
+    key = None
+    if rounding_seed is not None:
+      key = jax.random.fold_in(
+          jax.random.fold_in(jax.random.key(rounding_seed), round_index),
+          communication.island_index())
+    mean, sent, codec_state = compression_lib.island_mean(
+        pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
+    if residuals is not None:
+      # An island that took no part keeps the residual it had.
+      residuals = jax.tree.map(
+          lambda old, new: jnp.where(included, new, old), residuals,
+          jax.tree.map(jnp.subtract, pseudo_grad, sent))
+    return mean, residuals, codec_state, included, finite
+
+  return placement.island_map(
+      island_sync, mesh,
+      in_specs=(REPLICATED, PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND,
+                REPLICATED),
+      out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND, PER_ISLAND),
+      # A compressed mean ends in an all_gather, whose result is the same
+      # on every island but is typed as varying; the replicated out_specs
+      # are right by construction (tests check islands agree bit for bit).
+      check_vma=False)
+
+
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     compression=None, rounding_seed: int | None = None,
                     fsdp: bool = False,
@@ -303,51 +362,10 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
-  compression = compression_lib.as_compression(compression)
   delayed = _is_delayed(overlap)
-  # With FSDP each of an island's 'data' devices sends its own shards.
-  stripes = mesh.shape[DATA] if fsdp else 1
-
-  def island_sync(global_params, island_params, residuals, codec_state,
-                  weight, round_index):
-    """One island's pseudo-gradient through the codec: the mean, what the
-    codec left unsent (error feedback) and the next codec state."""
-    pseudo_grad = jax.tree.map(jnp.subtract, global_params, island_params)
-    if residuals is not None:
-      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
-    # An island without weight (not synced this round) or whose
-    # pseudo-gradient is not finite (it diverged) takes no part: its values
-    # are zeroed before any arithmetic, since NaN x 0 is still NaN.
-    finite = _all_finite(pseudo_grad)
-    included = (weight > 0) & finite
-    weight = jnp.where(included, weight, 0.0)
-    pseudo_grad = jax.tree.map(lambda g: jnp.where(included, g, 0),
-                               pseudo_grad)
-    key = None
-    if rounding_seed is not None:
-      key = jax.random.fold_in(
-          jax.random.fold_in(jax.random.key(rounding_seed), round_index),
-          communication.island_index())
-    mean, sent, codec_state = compression_lib.island_mean(
-        pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
-    if residuals is not None:
-      # An island that took no part keeps the residual it had.
-      residuals = jax.tree.map(
-          lambda old, new: jnp.where(included, new, old), residuals,
-          jax.tree.map(jnp.subtract, pseudo_grad, sent))
-    return mean, residuals, codec_state, included, finite
+  sync = make_island_sync(mesh, compression, rounding_seed, fsdp)
 
   def outer(state: TrainState, weights: jax.Array):
-    sync = placement.island_map(
-        island_sync, mesh,
-        in_specs=(REPLICATED, PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND,
-                  REPLICATED),
-        out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND,
-                   PER_ISLAND),
-        # A compressed mean ends in an all_gather, whose result is the same
-        # on every island but is typed as varying; the replicated out_specs
-        # are right by construction (tests check islands agree bit for bit).
-        check_vma=False)
     mean, residuals, codec_state, included, finite = sync(
         state.global_params, state.island_params, state.residuals,
         state.codec_state, weights, state.round)
@@ -419,7 +437,7 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
 def islands_finite(state: TrainState) -> jax.Array:
   """[islands] bool: whether each island's params are all finite (the
   islands the outer step will include, weights permitting)."""
-  return jax.vmap(_all_finite)(state.island_params)
+  return jax.vmap(all_finite)(state.island_params)
 
 
 def poison_island(state: TrainState, island: int) -> TrainState:
@@ -429,7 +447,7 @@ def poison_island(state: TrainState, island: int) -> TrainState:
       lambda y: y.at[island].set(jnp.nan), state.island_params))
 
 
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
   """Whether every value of `tree` is finite (a scalar bool)."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
                             for leaf in jax.tree.leaves(tree)]))

@@ -15,8 +15,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax import diloco
+from diloco_jax import fragments as fragments_lib
 from diloco_jax import integrity
 from diloco_jax import mesh as mesh_lib
+from diloco_jax import schedule as schedule_lib
 
 
 class Programs(NamedTuple):
@@ -24,6 +26,8 @@ class Programs(NamedTuple):
   inner_step: Any
   outer_step: Any
   flush: Any  # one_step_delay: applies the update in flight at the end
+  sends: Any  # Streaming DiLoCo: per fragment, average it and step its x
+  merges: Any  # Streaming DiLoCo: per fragment, fold its x into the islands
   evaluate: Any
   evaluate_island_mean: Any
   inspect_state: Any  # integrity.inspect_state, checked before each save
@@ -57,22 +61,31 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
       sync_gradients_across_islands=(mode == "ddp"),
       microbatches=config.data.microbatches, fsdp=fsdp).lower(
           state, batch).compile()
-  outer_step = evaluate_island_mean = flush = None
-  if mode == "diloco":
+  outer_step = evaluate_island_mean = flush = sends = merges = None
+  rounding_seed = (config.seed if config.diloco.stochastic_rounding
+                   else None)
+  if mode == "diloco" and schedule_lib.is_streaming(config.diloco):
+    num_fragments = config.diloco.fragments
+    sends = tuple(fragments_lib.make_fragment_send(
+        outer_opt, mesh, num_fragments, p, compression, rounding_seed,
+        fsdp).lower(state, weights).compile() for p in range(num_fragments))
+    merges = tuple(fragments_lib.make_fragment_merge(
+        mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
+        inner_opt).lower(state).compile() for p in range(num_fragments))
+  elif mode == "diloco":
     outer_step = diloco.make_outer_step(
-        outer_opt, mesh, compression,
-        rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                       else None), fsdp=fsdp,
+        outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,
         inner_opt=inner_opt,
         restart_dropped=config.diloco.dropped_islands == "idle",
         overlap=config.diloco.overlap).lower(state, weights).compile()
     if config.diloco.overlap == "one_step_delay":
       flush = diloco.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
+  if mode == "diloco":
     evaluate_island_mean = diloco.make_evaluate(
         loss_fn, mode, island_mean=True).lower(state, eval_batch).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
       state, eval_batch).compile()
-  return Programs(inner_step, outer_step, flush, evaluate,
+  return Programs(inner_step, outer_step, flush, sends, merges, evaluate,
                   evaluate_island_mean,
                   integrity.compile_inspector(state),
                   time.perf_counter() - start)

@@ -14,8 +14,10 @@ import optax
 
 from diloco_jax import compression as compression_lib
 from diloco_jax import diloco
+from diloco_jax import fragments as fragments_lib
 from diloco_jax import model as model_lib
 from diloco_jax import optimizers
+from diloco_jax import schedule as schedule_lib
 from diloco_jax import validation
 
 
@@ -32,6 +34,8 @@ class StateSpec:
     error_feedback: whether the state keeps per-island residuals.
     seed: seeds the params and the codec state.
     overlap: diloco.OVERLAPS; 'one_step_delay' keeps the update in flight.
+    fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
+      (the outer optimizer then keeps one state per fragment).
   """
   mode: str
   islands: int
@@ -41,13 +45,18 @@ class StateSpec:
   error_feedback: bool
   seed: int
   overlap: str = "none"
+  fragments: int = 0
 
   def init(self, params) -> diloco.TrainState:
     """The state with every island and x at `params` (traceable)."""
-    return diloco.init_state(params, self.inner_opt, self.outer_opt,
-                             self.islands, self.error_feedback,
-                             self.compression, seed=self.seed,
-                             overlap=self.overlap)
+    state = diloco.init_state(params, self.inner_opt, self.outer_opt,
+                              self.islands, self.error_feedback,
+                              self.compression, seed=self.seed,
+                              overlap=self.overlap)
+    if self.fragments:
+      state = state.replace(outer_opt_state=fragments_lib.init_outer_states(
+          params, self.outer_opt, self.fragments))
+    return state
 
   def abstract(self, model_config) -> diloco.TrainState:
     """The state's shapes and dtypes, computing nothing."""
@@ -70,4 +79,7 @@ def for_config(config, islands: int | None = None) -> StateSpec:
       seed=config.seed,
       # Configs saved before the field existed had no overlap.
       overlap=(config.diloco.get("overlap", "none") if mode == "diloco"
-               else "none"))
+               else "none"),
+      fragments=(config.diloco.fragments if mode == "diloco"
+                 and "fragments" in config.diloco
+                 and schedule_lib.is_streaming(config.diloco) else 0))

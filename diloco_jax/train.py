@@ -35,6 +35,7 @@ from diloco_jax import communication
 from diloco_jax import config_changes
 from diloco_jax import diloco
 from diloco_jax import flops
+from diloco_jax import fragments as fragments_lib
 from diloco_jax import guards
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
@@ -43,6 +44,7 @@ from diloco_jax import multihost
 from diloco_jax import optimizers
 from diloco_jax import participation
 from diloco_jax import programs as programs_lib
+from diloco_jax import schedule as schedule_lib
 from diloco_jax import state_spec as state_spec_lib
 from diloco_jax import stops
 from diloco_jax import validation
@@ -250,25 +252,49 @@ def _placement_line(mesh, islands: int, config) -> str:
 
 
 def _byte_counts(config, param_shapes, islands: int, compression):
-  """(bytes of one ddp step, sync_bytes(rank_indices) -> bytes of a sync).
+  """(bytes of one ddp step, sync_bytes(rank_indices, fragment=None) ->
+  bytes of a sync, fp32_sync_bytes(fragment) -> the same sync in float32).
 
   Bytes one island sends: DDP all-reduces float32 gradients, DiLoCo sends
   pseudo-gradients through the codec (at this round's low-rank ranks, or
-  None for codecs without ranks); with FSDP every device of an island
-  sends its own shards' part.
+  None for codecs without ranks), of every param or of one Streaming DiLoCo
+  fragment; with FSDP every device of an island sends its own shards' part.
   """
   stripes = config.mesh.data if config.mesh.fsdp else 1
   ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands,
                                                    stripes=stripes)
 
   @functools.lru_cache(maxsize=None)  # few rank patterns recur
-  def sync_bytes(rank_indices: tuple[int, ...] | None) -> int:
+  def sync_bytes(rank_indices: tuple[int, ...] | None,
+                 fragment: int | None = None) -> int:
     if config.mode != "diloco":
       return ddp_step_bytes
-    return compression_lib.mean_bytes(param_shapes, islands, compression,
+    shapes = param_shapes
+    if fragment is not None:
+      assignment = fragments_lib.leaf_fragments(param_shapes,
+                                                config.diloco.fragments)
+      shapes = fragments_lib.select(param_shapes, assignment, fragment)
+      if rank_indices is not None:
+        rank_indices = tuple(rank_indices[i] for i in
+                             fragments_lib.codec_positions(
+                                 param_shapes, compression, assignment,
+                                 fragment))
+    return compression_lib.mean_bytes(shapes, islands, compression,
                                       rank_indices, stripes)
 
-  return ddp_step_bytes, sync_bytes
+  fp32 = compression_lib.as_compression(None)
+
+  @functools.lru_cache(maxsize=None)
+  def fp32_sync_bytes(fragment: int | None) -> int:
+    if fragment is None:
+      return ddp_step_bytes
+    assignment = fragments_lib.leaf_fragments(param_shapes,
+                                              config.diloco.fragments)
+    return compression_lib.mean_bytes(
+        fragments_lib.select(param_shapes, assignment, fragment), islands,
+        fp32, None, stripes)
+
+  return ddp_step_bytes, sync_bytes, fp32_sync_bytes
 
 
 def _rank_indices(state) -> tuple[int, ...] | None:
@@ -314,6 +340,8 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
       "ddp_comm_bytes": progress.ddp_comm_bytes,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
       "overlap": config.diloco.overlap,
+      "fragments": (config.diloco.fragments
+                    if schedule_lib.is_streaming(config.diloco) else None),
       # What the codec saved on the syncs, and what it saved against DDP.
       "compression_vs_fp32": _ratio(progress.fp32_comm_bytes,
                                     progress.comm_bytes),
@@ -340,6 +368,22 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
   if entropy_rate is not None:
     summary["corpus_entropy_rate"] = entropy_rate
   return summary
+
+
+def _run_sync_actions(actions, state, programs, weights):
+  """Runs the schedule's synchronization programs after a step, in order."""
+  for action in actions:
+    if action.kind == schedule_lib.OUTER:
+      state = programs.outer_step(state, weights)
+    elif action.kind == schedule_lib.FLUSH:
+      state = programs.flush(state)  # the last update in flight
+    elif action.kind == schedule_lib.SEND:
+      state = programs.sends[action.fragment](state, weights)
+    elif action.kind == schedule_lib.MERGE:
+      state = programs.merges[action.fragment](state)
+    else:
+      raise ValueError(f"unknown schedule action {action}")
+  return state
 
 
 def _participants(config, islands: int):
@@ -614,7 +658,8 @@ def _train(config, workdir: str, devices, launch_time: float,
                                        config.log_every_seconds, islands)
 
     programs = compiling.result()
-    inner_step, outer_step = programs.inner_step, programs.outer_step
+    inner_step = programs.inner_step
+    syncs = mode == "diloco"  # islands synchronize (outer steps, fragments)
     evaluate, evaluate_island_mean = (programs.evaluate,
                                       programs.evaluate_island_mean)
     compile_s = programs.compile_s
@@ -623,8 +668,9 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     param_shapes = abstract_state.global_params
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
-    ddp_step_bytes, sync_bytes = _byte_counts(config, param_shapes, islands,
-                                              compression)
+    ddp_step_bytes, sync_bytes, fp32_sync_bytes = _byte_counts(
+        config, param_shapes, islands, compression)
+    sync_schedule = schedule_lib.from_config(config)
 
     flops_per_token = flops.training_flops_per_token(config.model, seq_len)
     tokens_per_island_step = batch_size * seq_len
@@ -664,7 +710,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       losses = np.atleast_1d(step_metrics["loss"])
       norms = np.atleast_1d(step_metrics["grad_norm"])
       finite = np.isfinite(losses) & np.isfinite(norms)
-      some_diverged = outer_step is not None and 0 < finite.sum() < finite.size
+      some_diverged = syncs and 0 < finite.sum() < finite.size
       kept = finite if some_diverged else np.ones_like(finite)
       record["train_loss"] = float(np.mean(losses[kept]))
       record["grad_norm"] = float(np.mean(norms[kept]))
@@ -713,7 +759,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     island_mean_loss = rank = None
     participants = _participants(config, islands)
     diverged_this_round = set()  # islands the round's outer step excludes
-    check_islands = (jax.jit(diloco.islands_finite) if outer_step is not None
+    check_islands = (jax.jit(diloco.islands_finite) if syncs
                      else None)
     nan_island = (participation.parse_nan_island(config.testing.nan_island,
                                                  islands)
@@ -772,31 +818,35 @@ def _train(config, workdir: str, devices, launch_time: float,
           finish_record(*pending)
           pending = None
         round_ended = _round_ends(step, inner_steps, total_steps)
+        if round_ended and evaluate_island_mean is not None:
+          # Before the outer step resets them, the islands' plain average.
+          island_mean_loss = _mean_loss(evaluate_island_mean, state,
+                                        eval_arrays)
+        actions = sync_schedule.after(step)
+        excluded = np.zeros(islands, bool)
+        if actions:
+          # Islands are weighted by the tokens they processed this round
+          # (the same for every island) times their share of the corpus;
+          # those not synced this round get weight 0. Islands that diverged
+          # are left out too (the programs mask them on the device; this
+          # counts them).
+          weights = _place((progress.island_round_steps
+                            * tokens_per_island_step * island_shares
+                            * synced).astype(np.float32),
+                           weights_shape.sharding)
+          excluded = synced & ~multihost.fetch(check_islands(state))
+          rank_indices = _rank_indices(state)
+          rank = _mean_rank(compression, rank_indices)
+          sending = int((synced & ~excluded).sum())
+          state = _run_sync_actions(actions, state, programs, weights)
+          # Per island, as everywhere: the islands not synced send nothing
+          # (in this SPMD program they send zeros).
+          for action in actions:
+            if action.kind in (schedule_lib.OUTER, schedule_lib.SEND):
+              progress.comm_bytes += (sync_bytes(rank_indices, action.fragment)
+                                      * sending // islands)
+              progress.fp32_comm_bytes += fp32_sync_bytes(action.fragment)
         if round_ended:
-          if evaluate_island_mean is not None:
-            # Before the outer step resets them, the islands' plain average.
-            island_mean_loss = _mean_loss(evaluate_island_mean, state,
-                                          eval_arrays)
-          if outer_step is not None:
-            # Islands are weighted by the tokens they processed this round;
-            # those not synced this round get weight 0.
-            weights = (progress.island_round_steps * tokens_per_island_step
-                       * island_shares * synced)
-            # Islands that diverged are left out too (the outer step masks
-            # them on the device; this counts them).
-            excluded = synced & ~multihost.fetch(check_islands(state))
-            rank_indices = _rank_indices(state)
-            round_bytes = sync_bytes(rank_indices)
-            rank = _mean_rank(compression, rank_indices)
-            state = outer_step(state, _place(weights.astype(np.float32),
-                                             weights_shape.sharding))
-            # Per island, as everywhere: the islands not synced send
-            # nothing (in this SPMD program they send zeros).
-            progress.comm_bytes += (round_bytes * int((synced & ~excluded).sum())
-                                    // islands)
-            progress.fp32_comm_bytes += ddp_step_bytes
-            if step == total_steps and programs.flush is not None:
-              state = programs.flush(state)  # the last update in flight
           progress.rounds_done += 1
           progress.island_round_steps[:] = 0
         record = {
@@ -816,9 +866,9 @@ def _train(config, workdir: str, devices, launch_time: float,
           record.update(_eval_record(eval_loss, byte_level))
           if evaluate_island_mean is not None:
             record["eval_loss_island_mean"] = island_mean_loss
-          if outer_step is not None and rank is not None:
+          if syncs and rank is not None:
             record["codec_mean_rank"] = rank
-          if outer_step is not None:
+          if syncs:
             record["active_islands"] = int(synced.sum())
             record["excluded_islands"] = int(excluded.sum())
         checkpoint_due = _checkpoint_due(step, round_ended,

@@ -13,6 +13,7 @@ from diloco_jax import diloco as diloco_lib
 from diloco_jax import guards
 from diloco_jax import model as model_lib
 from diloco_jax import participation
+from diloco_jax import schedule as schedule_lib
 from diloco_jax.data import corpus as corpus_lib
 
 
@@ -75,10 +76,47 @@ def _validate_participation(config) -> None:
   _require(config.mode == "diloco" or diloco_config.overlap == "none",
            f"config.diloco.overlap={diloco_config.overlap!r} overlaps DiLoCo's"
            f" outer steps; config.mode={config.mode!r} has none")
+  _validate_streaming(config)
   _require(config.mode == "diloco" or not (
       diloco_config.island_schedule or diloco_config.drop_probability),
            f"config.diloco.island_schedule and drop_probability are DiLoCo's"
            f" (islands that skip outer steps); config.mode={config.mode!r}")
+
+
+def _validate_streaming(config) -> None:
+  """fragments, fragment_delay and fragment_alpha (Streaming DiLoCo)."""
+  diloco_config = config.diloco
+  fragments, delay = diloco_config.fragments, diloco_config.fragment_delay
+  alpha = diloco_config.fragment_alpha
+  _positive_int(config, "diloco.fragments")
+  _require(fragments <= config.model.num_layers,
+           f"config.diloco.fragments={fragments} exceeds config.model."
+           f"num_layers={config.model.num_layers} (fragments are groups of "
+           "consecutive blocks)")
+  _require(fragments <= diloco_config.inner_steps,
+           f"config.diloco.fragments={fragments} exceeds config.diloco."
+           f"inner_steps={diloco_config.inner_steps} (each fragment syncs at "
+           "its own step of the round)")
+  _require(isinstance(delay, int) and not isinstance(delay, bool)
+           and 0 <= delay < diloco_config.inner_steps,
+           f"config.diloco.fragment_delay={delay!r} must be an integer in "
+           f"[0, config.diloco.inner_steps={diloco_config.inner_steps})")
+  _require(isinstance(alpha, (int, float)) and 0 <= alpha < 1,
+           f"config.diloco.fragment_alpha={alpha!r} must be in [0, 1)")
+  streaming = schedule_lib.is_streaming(diloco_config)
+  _require(config.mode == "diloco" or not streaming,
+           "config.diloco.fragments, fragment_delay and fragment_alpha are "
+           f"Streaming DiLoCo's; config.mode={config.mode!r}")
+  _require(not (streaming and diloco_config.overlap != "none"),
+           "config.diloco.overlap='one_step_delay' and Streaming DiLoCo "
+           "(fragments, fragment_delay, fragment_alpha) are two ways to "
+           "overlap; choose one (fragment_delay overlaps a fragment's sync)")
+  _require(not (streaming and diloco_config.dropped_islands == "idle"),
+           "config.diloco.dropped_islands='idle' restarts whole islands at "
+           "an outer step; Streaming DiLoCo has none (use 'train')")
+  _require(not (streaming and config.mesh.fsdp
+                and diloco_config.codec not in codecs.DENSE_CODECS),
+           "Streaming DiLoCo with config.mesh.fsdp needs a dense codec")
 
 
 def validate_config(config, num_devices: int) -> None:

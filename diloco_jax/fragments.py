@@ -1,0 +1,210 @@
+"""Streaming DiLoCo: the parameters in fragments, synced on staggered
+schedules.
+
+The params are split into P fragments of consecutive transformer blocks.
+Fragment p is synced once every H inner steps, at steps t with
+t = p * H / P (mod H), so one fragment's worth of bytes crosses the link at
+a time: the peak bandwidth is 1/P of DiLoCo's. A sync is two programs:
+
+- send: the fragment's pseudo-gradients x_p - y_{i,p} are averaged across
+  islands (through the run's codec, with error feedback if configured) and
+  the outer optimizer steps x_p with them (its state is kept per fragment);
+  the islands go on training meanwhile;
+- merge, `fragment_delay` (tau) inner steps later: each island's fragment
+  becomes alpha * y_{i,p} + (1 - alpha) * x_p (`fragment_alpha`).
+
+With one fragment, tau = 0 and alpha = 0 this is DiLoCo's outer step. The
+host-side order of sends and merges is schedule.py's.
+"""
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax import compression as compression_lib
+from diloco_jax import diloco
+from diloco_jax import optimizers
+from diloco_jax import placement
+
+
+def leaf_fragments(params, num_fragments: int) -> tuple[int, ...]:
+  """The fragment of each leaf of `params`, in jax.tree.leaves order.
+
+  Transformer block i of L goes to fragment i * P // L, so fragments are
+  consecutive blocks of equal count (within one); the token embedding goes
+  with the first blocks, everything else (the final norm, an output head)
+  with the last.
+
+  Raises:
+    ValueError: P is not in [1, number of blocks].
+  """
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  layers = [_block_index(path) for path in paths]
+  num_layers = max((i for i in layers if i is not None), default=-1) + 1
+  if not 1 <= num_fragments <= max(num_layers, 1):
+    raise ValueError(f"{num_fragments} fragments need 1 to {num_layers} "
+                     "transformer blocks (config.model.num_layers)")
+  assignment = []
+  for path, layer in zip(paths, layers):
+    if layer is not None:
+      assignment.append(layer * num_fragments // num_layers)
+    elif "embed" in jax.tree_util.keystr(path):
+      assignment.append(0)
+    else:
+      assignment.append(num_fragments - 1)
+  return tuple(assignment)
+
+
+def _block_index(path) -> int | None:
+  """i for a leaf under ['blocks'][i], else None."""
+  for key, index in zip(path, path[1:]):
+    if isinstance(key, jax.tree_util.DictKey) and key.key == "blocks":
+      # NNX state keys a list's items by their int index.
+      if isinstance(index, jax.tree_util.SequenceKey):
+        return index.idx
+      if isinstance(index, jax.tree_util.DictKey) and isinstance(index.key,
+                                                                  int):
+        return index.key
+  return None
+
+
+def select(tree, assignment: Sequence[int], fragment: int) -> list:
+  """The leaves of `tree` (shaped like the params, or stacked per island)
+  in `fragment`, in leaf order."""
+  return [leaf for leaf, f in zip(jax.tree.leaves(tree), assignment)
+          if f == fragment]
+
+
+def replace(tree, assignment: Sequence[int], fragment: int, leaves):
+  """`tree` with its leaves in `fragment` replaced by `leaves`."""
+  all_leaves, treedef = jax.tree.flatten(tree)
+  new = iter(leaves)
+  return jax.tree.unflatten(treedef, [
+      next(new) if f == fragment else leaf
+      for leaf, f in zip(all_leaves, assignment)])
+
+
+def codec_positions(params, compression, assignment, fragment) -> list[int]:
+  """Where `fragment`'s matrices sit in the codec state (one entry per
+  leaf the structured codec factors, in leaf order)."""
+  positions, position = [], 0
+  for leaf, f in zip(jax.tree.leaves(params), assignment):
+    if compression.is_lowrank and compression.is_structured_leaf(leaf.shape):
+      if f == fragment:
+        positions.append(position)
+      position += 1
+  return positions
+
+
+def init_outer_states(params, outer_opt: optax.GradientTransformation,
+                      num_fragments: int) -> tuple:
+  """One outer optimizer state per fragment, over its leaves."""
+  assignment = leaf_fragments(params, num_fragments)
+  return tuple(outer_opt.init(select(params, assignment, f))
+               for f in range(num_fragments))
+
+
+def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
+                       num_fragments: int, fragment: int, compression=None,
+                       rounding_seed: int | None = None, fsdp: bool = False):
+  """Builds send(state, weights) -> state for one fragment (jitted; `state`
+  is donated).
+
+  The fragment's pseudo-gradients go through the codec (residuals and
+  codec state of its leaves only) and the outer optimizer steps its x with
+  the weighted mean; islands with weight 0 or a non-finite pseudo-gradient
+  are left out, and a round in which none takes part changes nothing. The
+  islands' params are untouched: make_fragment_merge folds x in later.
+  """
+  compression = compression_lib.as_compression(compression)
+  sync = diloco.make_island_sync(mesh, compression, rounding_seed, fsdp)
+
+  def send(state: diloco.TrainState, weights: jax.Array):
+    assignment = leaf_fragments(state.global_params, num_fragments)
+    part = lambda tree: (None if tree is None
+                         else select(tree, assignment, fragment))
+    positions = codec_positions(state.global_params, compression,
+                                 assignment, fragment)
+    codec_state = (None if state.codec_state is None
+                   else tuple(state.codec_state[i] for i in positions))
+    # Each send of each fragment draws its own rounding noise.
+    send_index = state.step * num_fragments + fragment
+    mean, residuals, codec_state, included, _ = sync(
+        part(state.global_params), part(state.island_params),
+        part(state.residuals), codec_state, weights, send_index)
+    anyone = jnp.any(included)
+    x = part(state.global_params)
+    updates, outer_state = outer_opt.update(
+        mean, state.outer_opt_state[fragment], x)
+    keep_unless_anyone = lambda new, old: jax.tree.map(
+        lambda n, o: jnp.where(anyone, n, o), new, old)
+    x = keep_unless_anyone(optax.apply_updates(x, updates), x)
+    outer_state = keep_unless_anyone(outer_state,
+                                     state.outer_opt_state[fragment])
+    outer_states = list(state.outer_opt_state)
+    outer_states[fragment] = outer_state
+    new_codec_state = state.codec_state
+    if codec_state is not None:
+      new_codec_state = list(state.codec_state)
+      for i, entry in zip(positions, keep_unless_anyone(
+          codec_state, tuple(state.codec_state[i] for i in positions))):
+        new_codec_state[i] = entry
+      new_codec_state = tuple(new_codec_state)
+    state = state.replace(
+        global_params=replace(state.global_params, assignment, fragment, x),
+        outer_opt_state=tuple(outer_states),
+        residuals=(None if residuals is None else replace(
+            state.residuals, assignment, fragment, residuals)),
+        codec_state=new_codec_state)
+    return placement.constrain(state, diloco.state_shardings(state, mesh,
+                                                             fsdp))
+
+  return jax.jit(send, donate_argnums=0)
+
+
+def make_fragment_merge(mesh, num_fragments: int, fragment: int,
+                        alpha: float, fsdp: bool = False,
+                        inner_opt: optax.GradientTransformation | None = None):
+  """Builds merge(state) -> state for one fragment (jitted; `state` is
+  donated): every island's fragment becomes alpha * y + (1 - alpha) * x.
+
+  An island whose fragment is not finite (it diverged) takes x as it is;
+  given `inner_opt`, an island whose params are all finite again after the
+  merge but whose inner optimizer state is not restarts that state fresh,
+  counted from the current step.
+  """
+
+  def merge(state: diloco.TrainState):
+    assignment = leaf_fragments(state.global_params, num_fragments)
+    x = select(state.global_params, assignment, fragment)
+    y = select(state.island_params, assignment, fragment)
+    islands = diloco.num_islands(state)
+    finite = jax.vmap(diloco.all_finite)(y)
+
+    def blend(x_leaf, y_leaf):
+      keep = jnp.where(finite, alpha, 0.0).astype(y_leaf.dtype)
+      keep = keep.reshape((islands,) + (1,) * x_leaf.ndim)
+      y_leaf = jnp.where(finite.reshape(keep.shape), y_leaf, 0)
+      return (keep * y_leaf + (1 - keep) * x_leaf[None]).astype(y_leaf.dtype)
+
+    island_params = replace(state.island_params, assignment, fragment,
+                            [blend(a, b) for a, b in zip(x, y)])
+    inner_opt_state = state.inner_opt_state
+    if inner_opt is not None:
+      params_ok = jax.vmap(diloco.all_finite)(island_params)
+      state_ok = jax.vmap(diloco.all_finite)(inner_opt_state)
+      restart = params_ok & ~state_ok
+      fresh = optimizers.with_step_counts(
+          jax.vmap(inner_opt.init)(island_params), state.step)
+      inner_opt_state = jax.tree.map(
+          lambda f, old: jnp.where(
+              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
+          fresh, inner_opt_state)
+    state = state.replace(island_params=island_params,
+                          inner_opt_state=inner_opt_state)
+    return placement.constrain(state, diloco.state_shardings(state, mesh,
+                                                             fsdp))
+
+  return jax.jit(merge, donate_argnums=0)

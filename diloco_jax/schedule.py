@@ -1,0 +1,116 @@
+"""The host-side schedule: which synchronization programs run after each
+inner step.
+
+DiLoCo, its one-step-delay overlap and Streaming DiLoCo differ in when the
+islands' work is averaged and folded back, not in the programs that do it.
+A run's `Schedule` answers, for each inner step, the list of actions to run
+after it, as a pure function of the step, so a resumed run replays the same
+actions from any checkpoint:
+
+  OUTER       DiLoCo's outer step (all params; with one-step delay it applies
+              the previous round's mean and leaves this round's in flight)
+  FLUSH       one-step delay, at the last step: apply the mean in flight
+  SEND p      Streaming DiLoCo: average fragment p and step its x
+  MERGE p     Streaming DiLoCo: fold fragment p's x into the islands
+
+Evaluation and checkpoints keep their own cadence (train.py).
+"""
+
+import dataclasses
+
+OUTER, FLUSH, SEND, MERGE = "outer", "flush", "send", "merge"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  """One program to run: `kind`, and the fragment for SEND and MERGE."""
+  kind: str
+  fragment: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """When a run synchronizes.
+
+  Attributes:
+    mode: 'diloco', 'ddp' or 'single' (only DiLoCo synchronizes here; ddp
+      averages gradients inside its inner step).
+    inner_steps: H.
+    total_steps: the run's last step.
+    overlap: 'none' or 'one_step_delay' (DiLoCo's outer step).
+    fragments: P; streaming when `streaming` is set.
+    fragment_delay: tau, inner steps between a fragment's send and merge.
+    streaming: whether fragments are synced on their own schedules.
+  """
+  mode: str
+  inner_steps: int
+  total_steps: int
+  overlap: str = "none"
+  fragments: int = 1
+  fragment_delay: int = 0
+  streaming: bool = False
+
+  def offset(self, fragment: int) -> int:
+    """Fragment p syncs at the steps t with t = p * H / P (mod H)."""
+    return fragment * self.inner_steps // self.fragments
+
+  def sends_at(self, step: int) -> list[int]:
+    """The fragments sent after `step`: those at their offset, and at the
+    last step every fragment not sent there yet, so the final x holds all
+    of the islands' work."""
+    if step == self.total_steps:
+      return list(range(self.fragments))
+    return [p for p in range(self.fragments)
+            if step % self.inner_steps == self.offset(p) % self.inner_steps]
+
+  def merges_at(self, step: int) -> list[int]:
+    """With tau > 0, the fragments folded back after `step`: those sent tau
+    steps before, and at the last step those still in flight."""
+    if self.fragment_delay == 0:
+      return []  # every send merges at once
+    sent = step - self.fragment_delay
+    merges = set(self.sends_at(sent)) if sent > 0 else set()
+    if step == self.total_steps:
+      for early in range(max(1, sent + 1), step):
+        merges.update(self.sends_at(early))
+    return sorted(merges)
+
+  def after(self, step: int) -> list[Action]:
+    """The actions to run after inner step `step` (1-based), in order."""
+    if self.mode != "diloco":
+      return []
+    if not self.streaming:
+      actions = []
+      if step % self.inner_steps == 0 or step == self.total_steps:
+        actions.append(Action(OUTER))
+        if self.overlap == "one_step_delay" and step == self.total_steps:
+          actions.append(Action(FLUSH))
+      return actions
+    # Pending merges first, so a fragment sent again at the last step
+    # sends from its merged params; a send with tau = 0 (or at the end)
+    # merges at once.
+    actions = [Action(MERGE, p) for p in self.merges_at(step)]
+    for p in self.sends_at(step):
+      actions.append(Action(SEND, p))
+      if self.fragment_delay == 0 or step == self.total_steps:
+        actions.append(Action(MERGE, p))
+    return actions
+
+
+def from_config(config) -> Schedule:
+  """The Schedule of a run's config."""
+  diloco_config = config.diloco
+  return Schedule(
+      mode=config.mode, inner_steps=diloco_config.inner_steps,
+      total_steps=config.total_steps, overlap=diloco_config.overlap,
+      fragments=diloco_config.fragments,
+      fragment_delay=diloco_config.fragment_delay,
+      streaming=is_streaming(diloco_config))
+
+
+def is_streaming(diloco_config) -> bool:
+  """Whether config.diloco asks for Streaming DiLoCo: several fragments, a
+  delayed merge or a blended one (one fragment with tau = 0 and alpha = 0
+  is DiLoCo's own outer step)."""
+  return (diloco_config.fragments > 1 or diloco_config.fragment_delay > 0
+          or diloco_config.fragment_alpha > 0)
