@@ -23,7 +23,7 @@ NEVER_ALLOWED = ("mode",)
 
 FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
                "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
-               "resume", "diloco.islands")
+               "resume", "diloco.islands", "network")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

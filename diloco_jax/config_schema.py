@@ -159,6 +159,14 @@ def base_config() -> ml_collections.ConfigDict:
   # ddp/single have no rounds; they evaluate every diloco.inner_steps steps so
   # their curves line up with DiLoCo's rounds.
 
+  # The slow link a run is reported against (network_model.py): summary.json
+  # gives the modeled round time, compute utilization and wall-clock of the
+  # run's schedule over it, at the step time the run measured, and the
+  # bandwidth 90% and 95% utilization would need. Reporting only.
+  c.network = ml_collections.ConfigDict()
+  c.network.bandwidth_bits_per_s = 1e9
+  c.network.latency_s = 0.01
+
   # Checkpoints go to workdir/checkpoints; rerunning the same command resumes.
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_rounds = 1  # save at the end of every N-th round (0: off)

@@ -41,6 +41,7 @@ from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
 from diloco_jax import model as model_lib
 from diloco_jax import multihost
+from diloco_jax import network_model
 from diloco_jax import optimizers
 from diloco_jax import participation
 from diloco_jax import programs as programs_lib
@@ -911,6 +912,11 @@ def _train(config, workdir: str, devices, launch_time: float,
       island_mean_loss=(island_mean_loss if evaluate_island_mean is not None
                         else None),
       entropy_rate=batches.info.entropy_rate)
+  if step > start_step:  # the step time of this process's steps
+    summary.update(network_model.run_estimate(
+        config, step_time_s=train_s / (step - start_step),
+        bandwidth_bits_per_s=config.network.bandwidth_bits_per_s,
+        latency_s=config.network.latency_s, params=param_shapes))
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",

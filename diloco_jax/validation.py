@@ -173,6 +173,15 @@ def validate_config(config, num_devices: int) -> None:
 
   _validate_compression(config)
   _validate_safety(config)
+  network = config.network
+  _require(isinstance(network.bandwidth_bits_per_s, (int, float))
+           and network.bandwidth_bits_per_s > 0,
+           "config.network.bandwidth_bits_per_s="
+           f"{network.bandwidth_bits_per_s!r} must be a number > 0")
+  _require(isinstance(network.latency_s, (int, float))
+           and network.latency_s >= 0,
+           f"config.network.latency_s={network.latency_s!r} must be a "
+           "number >= 0")
   _validate_start(config)
   _require(
       not config.mesh.fsdp or config.diloco.codec in codecs.DENSE_CODECS,
