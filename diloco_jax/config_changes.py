@@ -23,7 +23,8 @@ NEVER_ALLOWED = ("mode",)
 
 FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
                "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
-               "resume", "diloco.islands", "network")
+               "resume", "diloco.islands", "diloco.outer_placement",
+               "network")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

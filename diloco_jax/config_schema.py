@@ -52,6 +52,11 @@ def base_config() -> ml_collections.ConfigDict:
   # (DiLoCoX): round r's mean is applied at the end of round r + 1, so its
   # collective overlaps a round of local training (diloco.make_outer_step).
   c.diloco.overlap = "none"
+  # Where x, the outer optimizer state and the cross-island collective live
+  # (outer_placement.py): 'device' with the islands; 'host' on one other
+  # device per process (the host's CPU beside accelerators; a CPU device set
+  # aside on CPU-only hosts), so the collective can run beside the compute.
+  c.diloco.outer_placement = "device"
   # Streaming DiLoCo (fragments.py): the params in `fragments` groups of
   # consecutive blocks, fragment p synced every inner_steps steps at offset
   # p * inner_steps / fragments; each sync's mean is folded into the islands

@@ -147,8 +147,8 @@ def _is_delayed(overlap: str) -> bool:
   return overlap == "one_step_delay"
 
 
-def _outer_update(outer_opt, global_params, outer_opt_state, update,
-                  takes_effect):
+def outer_update(outer_opt, global_params, outer_opt_state, update,
+                 takes_effect):
   """(x, outer state) after the outer optimizer's step on `update`, or both
   unchanged when `takes_effect` is False (momentum alone would move x)."""
   updates, new_state = outer_opt.update(update, outer_opt_state,
@@ -376,14 +376,14 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     # The outer optimizer runs once per device on the replicated x, not once
     # per folded island.
     if delayed:
-      new_global, outer_state = _outer_update(
+      new_global, outer_state = outer_update(
           outer_opt, state.global_params, state.outer_opt_state,
           state.in_flight, state.in_flight_valid)
       state = state.replace(
           in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), mean),
           in_flight_valid=anyone)
     else:
-      new_global, outer_state = _outer_update(
+      new_global, outer_state = outer_update(
           outer_opt, state.global_params, state.outer_opt_state, mean,
           anyone)
     inner_opt_state = state.inner_opt_state
@@ -421,7 +421,7 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   """
 
   def flush(state: TrainState) -> TrainState:
-    new_global, outer_state = _outer_update(
+    new_global, outer_state = outer_update(
         outer_opt, state.global_params, state.outer_opt_state,
         state.in_flight, state.in_flight_valid)
     state = state.replace(

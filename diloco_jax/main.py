@@ -76,6 +76,8 @@ def _configure_devices(config) -> None:
         slots = 1  # validation will name the bad field
       processes = multihost.process_count_hint(_NUM_PROCESSES.value)
       count = -(-slots // processes)  # this process's share, rounded up
+      if config.diloco.get("outer_placement") == "host":
+        count += 1  # the outer side's own device (on CPU-only hosts)
     jax.config.update("jax_num_cpu_devices", max(count, 1))
   multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                        _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value)

@@ -48,12 +48,17 @@ def batch_shapes(mesh, islands: int, batch_size: int, seq_len: int,
 
 def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
                      compression, state, batch, eval_batch,
-                     weights) -> Programs:
+                     weights, saved_state=None) -> Programs:
   """Compiles the inner step, outer step (diloco) and evaluations.
 
   `state`, `batch`, `eval_batch` and `weights` may be abstract
-  (jax.ShapeDtypeStruct with shardings).
+  (jax.ShapeDtypeStruct with shardings). `saved_state` is the state
+  checkpoints hold when it differs from the one the steps take (with
+  outer_placement='host' the outer fields live elsewhere, and the outer
+  step is outer_placement.HostOuter's, not compiled here).
   """
+  saved_state = state if saved_state is None else saved_state
+  on_device = config.diloco.get("outer_placement", "device") == "device"
   start = time.perf_counter()
   mode, fsdp = config.mode, config.mesh.fsdp
   inner_step = diloco.make_inner_step(
@@ -72,7 +77,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
     merges = tuple(fragments_lib.make_fragment_merge(
         mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
         inner_opt).lower(state).compile() for p in range(num_fragments))
-  elif mode == "diloco":
+  elif mode == "diloco" and on_device:
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,
         inner_opt=inner_opt,
@@ -87,7 +92,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
       state, eval_batch).compile()
   return Programs(inner_step, outer_step, flush, sends, merges, evaluate,
                   evaluate_island_mean,
-                  integrity.compile_inspector(state),
+                  integrity.compile_inspector(saved_state),
                   time.perf_counter() - start)
 
 

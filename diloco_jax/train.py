@@ -43,6 +43,7 @@ from diloco_jax import model as model_lib
 from diloco_jax import multihost
 from diloco_jax import network_model
 from diloco_jax import optimizers
+from diloco_jax import outer_placement
 from diloco_jax import participation
 from diloco_jax import programs as programs_lib
 from diloco_jax import schedule as schedule_lib
@@ -341,6 +342,7 @@ def _summary(config, progress: Progress, *, num_params: int, start_step: int,
       "ddp_comm_bytes": progress.ddp_comm_bytes,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
       "overlap": config.diloco.overlap,
+      "outer_placement": config.diloco.outer_placement,
       "fragments": (config.diloco.fragments
                     if schedule_lib.is_streaming(config.diloco) else None),
       # What the codec saved on the syncs, and what it saved against DDP.
@@ -444,6 +446,12 @@ def train_and_evaluate(config, workdir: str, devices=None,
   """
   launch_time = time.time() if launch_time is None else launch_time
   devices = jax.devices() if devices is None else list(devices)
+  outer_devices = None
+  if config.diloco.get("outer_placement") == "host":
+    try:
+      devices, outer_devices = outer_placement.split_devices(devices)
+    except ValueError as e:
+      raise validation.ConfigError(str(e)) from None
   validation.validate_config(config, num_devices=len(devices))
   _check_every_process_holds_islands(config, devices)
   source = (warm_start.parse_source(config.init_from) if config.init_from
@@ -461,7 +469,8 @@ def train_and_evaluate(config, workdir: str, devices=None,
       if config.pretrain_steps:
         source, launch_time = _pretrain(config, workdir, devices,
                                         launch_time)
-      return _train(config, workdir, devices, launch_time, signals, source)
+      return _train(config, workdir, devices, launch_time, signals, source,
+                    outer_devices)
   finally:
     if lock is not None:
       lock.release()
@@ -540,9 +549,10 @@ def _close_after_error(checkpointer, writer) -> None:
 
 def _train(config, workdir: str, devices, launch_time: float,
            signals: stops.StopSignals,
-           source: warm_start.Source | None) -> dict:
+           source: warm_start.Source | None, outer_devices=None) -> dict:
   """train_and_evaluate's body, in a locked workdir with signals caught;
-  a first start begins from `source`'s model when given."""
+  a first start begins from `source`'s model when given; with
+  `outer_devices` (outer_placement='host') the outer step runs there."""
   wall_start = time.perf_counter()
   mode = config.mode
   islands = validation.effective_islands(config)
@@ -580,6 +590,23 @@ def _train(config, workdir: str, devices, launch_time: float,
   compression = spec.compression
   abstract_state = spec.abstract(config.model)
   state_shardings = diloco.state_shardings(abstract_state, mesh, fsdp)
+  host_outer = None
+  if outer_devices is not None:
+    host_outer = outer_placement.HostOuter(
+        outer_devices, islands, mesh, outer_opt, compression, inner_opt,
+        rounding_seed=(config.seed if config.diloco.stochastic_rounding
+                       else None),
+        restart_dropped=config.diloco.dropped_islands == "idle",
+        overlap=config.diloco.overlap)
+
+  def islands_side(state):
+    """The state the islands train (with 'host', the outer fields go to
+    the outer devices)."""
+    return state if host_outer is None else host_outer.load(state)
+
+  def whole(state):
+    """The whole state, as checkpoints hold it."""
+    return state if host_outer is None else host_outer.assemble(state)
 
   def first_state():
     """(step, source meta, state, progress) of a run's first start: fresh
@@ -617,6 +644,7 @@ def _train(config, workdir: str, devices, launch_time: float,
             f"config.total_steps={total_steps} is before the checkpoint at step "
             f"{start_step} in {checkpointer.directory}")
       logging.info("resuming from the checkpoint at step %d", start_step)
+    state = islands_side(state)
     summary_path = os.path.join(workdir, "summary.json")
     if restored is not None and start_step == total_steps and os.path.exists(
         summary_path):
@@ -636,10 +664,12 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     # The steps compile from shapes in the background while the state is
     # initialized and the rest is set up.
+    whole_abstract = _with_shardings(abstract_state, state_shardings)
     compiling = programs_lib.compile_in_background(
         config, mesh, loss_fn, inner_opt, outer_opt, compression,
-        _with_shardings(abstract_state, state_shardings), batch_shape,
-        eval_shape, weights_shape)
+        (whole_abstract if host_outer is None
+         else outer_placement.strip(whole_abstract)), batch_shape,
+        eval_shape, weights_shape, whole_abstract)
     jax.block_until_ready(state)
     logging.info("state %s in %.1fs", "restored" if restored else "initialized",
                  time.perf_counter() - phase_start)
@@ -682,6 +712,9 @@ def _train(config, workdir: str, devices, launch_time: float,
                  sync_bytes(_rank_indices(state)) / 1e6)
     logging.info("placement: %s; attention: %s", _placement_line(
         mesh, islands, config), model_lib.attention_implementation(config.model))
+    if host_outer is not None:
+      logging.info("outer step on its own device(s): %s", ", ".join(
+          str(d) for d in host_outer.mesh.devices.flat))
 
     param_shapes_record = checkpointing.param_shapes_record(param_shapes)
     state_layout = checkpointing.state_layout_record(abstract_state)
@@ -691,7 +724,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     def save(step: int) -> None:
       nonlocal saved_step
       writer.flush()  # metrics up to `step` reach the file before the state
-      checkpointer.save(step, state, {
+      checkpointer.save(step, whole(state), {
           **progress.to_meta(), "step": step,
           "data": multihost.merge_island_states(data_state, held, islands),
           "param_shapes": param_shapes_record, "state_layout": state_layout,
@@ -755,7 +788,7 @@ def _train(config, workdir: str, devices, launch_time: float,
                       "taken since (rollback %d of at most %d)", error, to_step,
                       step - to_step, len(new_progress.rollbacks),
                       config.max_rollbacks)
-      return to_step, state, new_progress
+      return to_step, islands_side(state), new_progress
 
     island_mean_loss = rank = None
     participants = _participants(config, islands)
@@ -794,7 +827,8 @@ def _train(config, workdir: str, devices, launch_time: float,
           next_batch = place_batch(batches.next_batch())
         if nan_island and step == (nan_island[1] - 1) * inner_steps + 1:
           state = jax.jit(diloco.poison_island, static_argnums=1,
-                          out_shardings=state_shardings)(state, nan_island[0])
+                          out_shardings=diloco.state_shardings(
+                              state, mesh, fsdp))(state, nan_island[0])
         state, step_metrics = inner_step(state, next_batch)
         next_batch = None
         if startup_s is None:  # launch to the first inner step's result
@@ -836,10 +870,13 @@ def _train(config, workdir: str, devices, launch_time: float,
                             * synced).astype(np.float32),
                            weights_shape.sharding)
           excluded = synced & ~multihost.fetch(check_islands(state))
-          rank_indices = _rank_indices(state)
+          rank_indices = _rank_indices(
+              state if host_outer is None else host_outer.outer_state)
           rank = _mean_rank(compression, rank_indices)
           sending = int((synced & ~excluded).sum())
-          state = _run_sync_actions(actions, state, programs, weights)
+          state = _run_sync_actions(
+              actions, state, programs if host_outer is None else host_outer,
+              weights)
           # Per island, as everywhere: the islands not synced send nothing
           # (in this SPMD program they send zeros).
           for action in actions:

@@ -12,6 +12,7 @@ from diloco_jax import config_schema
 from diloco_jax import diloco as diloco_lib
 from diloco_jax import guards
 from diloco_jax import model as model_lib
+from diloco_jax import outer_placement
 from diloco_jax import participation
 from diloco_jax import schedule as schedule_lib
 from diloco_jax.data import corpus as corpus_lib
@@ -73,6 +74,21 @@ def _validate_participation(config) -> None:
   _require(diloco_config.overlap in diloco_lib.OVERLAPS,
            f"config.diloco.overlap={diloco_config.overlap!r} is not one of "
            f"{diloco_lib.OVERLAPS}")
+  _require(diloco_config.outer_placement in outer_placement.PLACEMENTS,
+           "config.diloco.outer_placement="
+           f"{diloco_config.outer_placement!r} is not one of "
+           f"{outer_placement.PLACEMENTS}")
+  if diloco_config.outer_placement == "host":
+    _require(config.mode == "diloco",
+             "config.diloco.outer_placement='host' places DiLoCo's outer "
+             f"step; config.mode={config.mode!r} has none")
+    _require(not schedule_lib.is_streaming(diloco_config),
+             "config.diloco.outer_placement='host' is not built for "
+             "Streaming DiLoCo yet (fragments, fragment_delay, "
+             "fragment_alpha); use 'device'")
+    _require(not config.mesh.fsdp,
+             "config.diloco.outer_placement='host' moves whole islands; "
+             "with config.mesh.fsdp use 'device'")
   _require(config.mode == "diloco" or diloco_config.overlap == "none",
            f"config.diloco.overlap={diloco_config.overlap!r} overlaps DiLoCo's"
            f" outer steps; config.mode={config.mode!r} has none")

@@ -97,6 +97,12 @@ def pretrain_config(config):
   pretrain.init_from = ""
   pretrain.diloco.island_schedule = ""  # one worker: no islands to drop
   pretrain.diloco.drop_probability = 0.0
+  # One worker has no outer step to overlap, stream or place.
+  pretrain.diloco.overlap = "none"
+  pretrain.diloco.fragments = 1
+  pretrain.diloco.fragment_delay = 0
+  pretrain.diloco.fragment_alpha = 0.0
+  pretrain.diloco.outer_placement = "device"
   pretrain.inner_optimizer.schedule_steps = optimizers.schedule_length(
       config.inner_optimizer, config.total_steps)
   return pretrain

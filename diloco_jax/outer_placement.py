@@ -1,0 +1,270 @@
+"""Where the outer step runs: with the islands, or on devices of its own.
+
+config.diloco.outer_placement:
+
+  'device'  x, the outer optimizer state, the codec's state and the
+            cross-island collective live on the compute devices, and a
+            round ends with one program holding all of it.
+  'host'    they live on one other device per process: the host's CPU
+            device beside GPUs or TPUs (DiLoCo and OpenDiLoCo keep the outer
+            state in host memory, off the accelerator), or, on CPU-only
+            hosts, a CPU device set aside for it. The islands' params cross
+            to it at a round's end and the new x comes back.
+
+XLA runs one device's programs in order, so a collective on the compute
+devices waits for the inner steps queued there and they wait for it. On a
+device of its own, the collective of a round with
+overlap='one_step_delay' runs while the islands train the next round: the
+next round needs only x_r, which depends on the previous round's mean,
+already arrived.
+
+`HostOuter` holds the outer side's state between rounds and offers the
+loop the same `outer_step(state, weights)` and `flush(state)` as the
+compiled on-device programs; the islands' side of the state then carries
+no outer fields (`strip`), and `assemble` puts them back for a checkpoint,
+which stays the same pytree whichever the placement.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax import diloco
+from diloco_jax import mesh as mesh_lib
+from diloco_jax import optimizers
+from diloco_jax import placement
+
+PLACEMENTS = ("device", "host")
+
+# The TrainState fields that live on the outer side with 'host'.
+OUTER_FIELDS = ("outer_opt_state", "in_flight", "in_flight_valid",
+                "residuals", "codec_state")
+
+
+def split_devices(devices) -> tuple[list, list]:
+  """(compute devices, outer devices) for outer_placement='host'.
+
+  With accelerators among `devices`, each process's first CPU device is its
+  outer device and every accelerator computes. On CPU-only hosts each
+  process's last device of `devices` is set aside for the outer side.
+
+  Raises:
+    ValueError: a process would be left without a compute device.
+  """
+  by_process = collections.defaultdict(list)
+  for device in devices:
+    by_process[device.process_index].append(device)
+  if any(d.platform != "cpu" for d in devices):
+    cpus = {}
+    for device in jax.devices("cpu"):
+      cpus.setdefault(device.process_index, device)
+    return list(devices), [cpus[p] for p in sorted(by_process)]
+  compute, outer = [], []
+  for process in sorted(by_process):
+    local = by_process[process]
+    if len(local) < 2:
+      raise ValueError(
+          "config.diloco.outer_placement='host' on CPU-only hosts sets a "
+          "CPU device aside per process, beside those the islands compute "
+          f"on; process {process} has {len(local)} (diloco_jax.main adds "
+          "one; with --cpu_devices or XLA_FLAGS, ask for one more)")
+    compute += local[:-1]
+    outer.append(local[-1])
+  return compute, outer
+
+
+def move(tree, shardings):
+  """Copies every array of `tree` to `shardings` (a tree of them, or one),
+  without any collective: each process copies what it holds.
+
+  Arrays may be split along their leading (island) axis only, and each
+  process must already hold the islands its target shards need (both
+  meshes put a process's islands on its own devices).
+  """
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _move(x, shardings), tree)
+  return jax.tree.map(_move, tree, shardings)
+
+
+def _move(x: jax.Array, sharding) -> jax.Array:
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  # One copy of each distinct piece this process holds, by its rows.
+  pieces = {}
+  for shard in x.addressable_shards:
+    pieces.setdefault(_rows(shard.index, x.shape), shard.data)
+  arrays = []
+  for device, index in sharding.addressable_devices_indices_map(
+      x.shape).items():
+    start, stop = _rows(index, x.shape)
+    parts = []
+    for (first, last), data in sorted(pieces.items()):
+      if first < stop and last > start:
+        part = jax.device_put(data, device)
+        if x.ndim:
+          part = part[max(start, first) - first:min(stop, last) - first]
+        parts.append(part)
+    held = sum(p.shape[0] for p in parts) if x.ndim else len(parts)
+    if held != stop - start:
+      raise ValueError(f"rows {start}..{stop} of an array of shape {x.shape}"
+                       f" are not all on process {jax.process_index()}")
+    arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, arrays)
+
+
+def _rows(index, shape) -> tuple[int, int]:
+  """The leading-axis range of a shard index; other axes must be whole."""
+  if not shape:
+    return (0, 1)
+  for axis, part in enumerate(index[1:], start=1):
+    if (part.start or 0) != 0 or part.stop not in (None, shape[axis]):
+      raise ValueError("outer_placement='host' moves arrays split along "
+                       f"their island axis only, not axis {axis} of {shape}")
+  lead = index[0]
+  return (lead.start or 0, shape[0] if lead.stop is None else lead.stop)
+
+
+def strip(state: diloco.TrainState) -> diloco.TrainState:
+  """The islands' side of `state`: without the outer fields."""
+  return state.replace(**{field: None for field in OUTER_FIELDS})
+
+
+class HostOuter:
+  """The outer side of a run with outer_placement='host'.
+
+  Holds x, the outer optimizer state, the mean in flight and the codec's
+  state (residuals included) on the outer devices, and runs there the
+  collective and the outer optimizer. The loop calls `outer_step` and
+  `flush` as it would the compiled on-device programs.
+  """
+
+  def __init__(self, outer_devices, islands: int, compute_mesh,
+               outer_opt: optax.GradientTransformation, compression,
+               inner_opt: optax.GradientTransformation,
+               rounding_seed: int | None = None, restart_dropped: bool = False,
+               overlap: str = "none"):
+    self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
+    self._compute_mesh = compute_mesh
+    self._delayed = overlap == "one_step_delay"
+    self._inner_opt = inner_opt
+    self._restart_dropped = restart_dropped
+    self._outer = None  # the outer side's TrainState (no island fields)
+    sync = diloco.make_island_sync(self.mesh, compression, rounding_seed)
+    mesh = self.mesh
+
+    def send(outer, island_params, weights, start):
+      """The collective of the pseudo-gradients start - y_i on the outer
+      devices (`start`: the x the islands started the round from); without
+      the delay, the outer optimizer's step on its mean too."""
+      mean, residuals, codec_state, included, _ = sync(
+          start, island_params, outer.residuals,
+          outer.codec_state, weights, outer.round)
+      anyone = jnp.any(included)
+      codec_state = jax.tree.map(lambda n, o: jnp.where(anyone, n, o),
+                                 codec_state, outer.codec_state)
+      outer = outer.replace(residuals=residuals, codec_state=codec_state,
+                            round=outer.round + 1)
+      if self._delayed:
+        outer = outer.replace(
+            in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), mean),
+            in_flight_valid=anyone)
+      else:
+        x, outer_state = diloco.outer_update(
+            outer_opt, outer.global_params, outer.outer_opt_state, mean,
+            anyone)
+        outer = outer.replace(global_params=x, outer_opt_state=outer_state)
+      return placement.constrain(outer, diloco.state_shardings(outer, mesh))
+
+    def apply(outer):
+      """One-step delay: x steps on the mean in flight, which is then
+      spent."""
+      x, outer_state = diloco.outer_update(
+          outer_opt, outer.global_params, outer.outer_opt_state,
+          outer.in_flight, outer.in_flight_valid)
+      outer = outer.replace(
+          global_params=x, outer_opt_state=outer_state,
+          in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
+          in_flight_valid=jnp.zeros((), jnp.bool_))
+      return placement.constrain(outer, diloco.state_shardings(outer, mesh))
+
+    self._send = jax.jit(send)
+    self._apply = jax.jit(apply)
+
+    def reset(state, x, restart, ends_round):
+      """Every island starts the next round from x; islands in `restart`
+      with a fresh inner optimizer state."""
+      stacked = jax.tree.map(
+          lambda v: jnp.broadcast_to(v, (islands,) + v.shape), x)
+      fresh = optimizers.with_step_counts(
+          jax.vmap(inner_opt.init)(stacked), state.step)
+      inner_opt_state = jax.tree.map(
+          lambda f, old: jnp.where(
+              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
+          fresh, state.inner_opt_state)
+      state = state.replace(global_params=x, island_params=stacked,
+                            inner_opt_state=inner_opt_state,
+                            round=state.round + int(ends_round))
+      return placement.constrain(
+          state, diloco.state_shardings(state, compute_mesh))
+
+    self._reset = jax.jit(reset, donate_argnums=0, static_argnums=3)
+    self._finite = jax.jit(diloco.islands_finite)
+
+  @property
+  def outer_state(self) -> diloco.TrainState:
+    """The outer side's state (x, outer and codec states, the mean in
+    flight), e.g. for the codec's current ranks."""
+    return self._outer
+
+  def load(self, state: diloco.TrainState) -> diloco.TrainState:
+    """Takes the outer fields of a whole `state` (as restored or
+    initialized) to the outer devices; returns the islands' side."""
+    outer = state.replace(island_params=None, inner_opt_state=None)
+    self._outer = move(outer, diloco.state_shardings(outer, self.mesh))
+    return strip(state)
+
+  def assemble(self, state: diloco.TrainState) -> diloco.TrainState:
+    """The whole state (for a checkpoint): the islands' side with the outer
+    fields copied back beside it, in their on-device layout."""
+    outer = {field: getattr(self._outer, field) for field in OUTER_FIELDS}
+    whole = state.replace(**outer)
+    targets = diloco.state_shardings(whole, self._compute_mesh)
+    return state.replace(**{field: move(value, getattr(targets, field))
+                            for field, value in outer.items()})
+
+  def outer_step(self, state: diloco.TrainState, weights: jax.Array):
+    """The round's end: the islands' params go out, x comes back."""
+    restart = ~self._finite(state)
+    if self._restart_dropped:
+      restart = restart | (weights <= 0)
+    island_sharding = NamedSharding(self.mesh, P(mesh_lib.ISLAND))
+    island_params = move(state.island_params, island_sharding)
+    outer_weights = move(weights, island_sharding)
+    start = self._outer.global_params  # s_r, the x this round started from
+    if self._delayed:
+      # x_r from the mean that has had this round to arrive; the new
+      # collective is queued after it, on the outer devices only, so the
+      # islands' next round waits for x_r alone.
+      self._outer = self._apply(self._outer)
+      x = self._x_on_compute()
+      self._outer = self._send(self._outer, island_params, outer_weights,
+                               start)
+    else:
+      self._outer = self._send(self._outer, island_params, outer_weights,
+                               start)
+      x = self._x_on_compute()
+    return self._reset(state, x, restart, True)
+
+  def flush(self, state: diloco.TrainState):
+    """The end of a one-step-delay run: the last mean is applied."""
+    self._outer = self._apply(self._outer)
+    islands = diloco.num_islands(state)
+    return self._reset(state, self._x_on_compute(),
+                       jnp.zeros((islands,), bool), False)
+
+  def _x_on_compute(self):
+    return move(self._outer.global_params,
+                NamedSharding(self._compute_mesh, P()))
