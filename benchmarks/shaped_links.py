@@ -1,0 +1,403 @@
+r"""DiLoCo variants over a real, rate-limited link between processes (root).
+
+  sudo .venv/bin/python benchmarks/shaped_links.py \
+      [--bandwidths_mbit=1000,100] [--modes=ddp,diloco,overlap_host,streaming] \
+      [--codecs=fp32,int8] [--steps=30] [--inner_steps=10] [--out=res.json]
+
+One island per process, one process per Linux network namespace. The
+namespaces (dj<pid>n0, dj<pid>n1, ...) hang off a bridge of their own in
+the root namespace (dj<pid>br) through veth pairs, and hold 10.77.0.2,
+10.77.0.3, ... of the private subnet --subnet (default 10.77.0.0/24, which
+nothing else on the machine may use: the script refuses one that is
+routed already). Each namespace's egress, its veth end, is shaped with
+
+  tc qdisc replace dev <veth> root tbf rate <R>mbit burst 64kb latency 100ms
+
+(a token bucket: a rate limit; no added delay). gloo connects to the
+address the hostname resolves to, so /etc/netns/<ns>/hosts maps
+socket.gethostname() to the namespace's own address. Every process runs
+`ip netns exec <ns> python -m diloco_jax.main ... --coordinator_address=
+<ns0 address>:<port> --num_processes=N --process_id=i`. Everything the
+script creates (namespaces, veths, bridge, /etc/netns entries) is removed
+at the end, also on an error, Ctrl-C or SIGTERM.
+
+Per run the table gives:
+  * round s: the measured wall-clock per round, summary train_s / (steps/H)
+    (ddp: a 'round' is H steps, as ddp evaluates every H steps).
+  * util: measured compute utilization, steps x inner-step time / train_s,
+    where the inner-step time is train_s / steps of a reference run: diloco
+    fp32, overlap none, in the same namespaces with NO rate limit (its few
+    syncs over an unshaped veth are included, so it is an upper bound on the
+    step's compute time and util a slight overestimate).
+  * model round s / model util: network_model.run_estimate for the run's
+    config at that reference step time and the shaped rate (latency 0: tbf
+    adds none). summary round s: summary.json's own network_round_s, which
+    the run computes at ITS step time train_s / steps (stalls included, so
+    it over-predicts a slow link).
+  * link MB/proc: bytes that crossed the link, the mean over namespaces of
+    the namespace veth's tx_bytes (read inside the namespace before the
+    processes start and after they exit: so it includes the coordinator's
+    gRPC, gloo's setup, the per-step loss gathers, TCP/IP headers and ACKs);
+    rx_bytes is recorded in the JSON. comm MB: summary comm_bytes (what one
+    island's syncs sent by the run's own count). ratio: link / comm.
+
+A model sized for 2 CPU cores: 2 layers, d_model 256 (1.7M params, a
+6.8 MB fp32 sync); --model_flags replaces those overrides.
+"""
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+  sys.path.insert(0, _REPO)
+
+_PROCESSES = flags.DEFINE_integer("processes", 2,
+                                  "Processes (= islands, one each).")
+_BANDWIDTHS = flags.DEFINE_list("bandwidths_mbit", ["1000", "100"],
+                                "Link rates to measure, Mbit/s.")
+_MODES = flags.DEFINE_list(
+    "modes", ["ddp", "diloco", "overlap_host", "streaming"],
+    "ddp | diloco (overlap none) | overlap_host (one_step_delay, outer step "
+    "on a host device) | streaming (fragments/fragment_delay).")
+_CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
+                            "config.diloco.codec values (ddp: fp32 only; it "
+                            "all-reduces fp32 gradients whatever the codec).")
+_CONFIG = flags.DEFINE_string("config", "configs/default.py", "Base config.")
+_STEPS = flags.DEFINE_integer("steps", 30, "config.total_steps of each run.")
+_INNER = flags.DEFINE_integer("inner_steps", 10, "H.")
+_FRAGMENTS = flags.DEFINE_integer("fragments", 2, "Streaming: fragments P.")
+_DELAY = flags.DEFINE_integer("fragment_delay", 2, "Streaming: tau.")
+_MODEL_FLAGS = flags.DEFINE_list(
+    "model_flags",
+    ["--config.model.num_layers=2", "--config.model.d_model=256",
+     "--config.model.num_heads=4", "--config.model.head_dim=64",
+     "--config.model.mlp_dim=1024", "--config.data.batch_size=8",
+     "--config.inner_optimizer.warmup_steps=5",
+     "--config.eval.batch_size=8", "--config.eval.num_batches=1"],
+    "Overrides of the base config that size the model and batch.")
+_EXTRA = flags.DEFINE_list("extra_flags", [], "More diloco_jax.main flags.")
+_REFERENCE = flags.DEFINE_bool(
+    "reference", True, "Run the unshaped reference run (for util and the "
+    "model's step time); without it util and the model columns are blank.")
+_SUBNET = flags.DEFINE_string("subnet", "10.77.0", "First 3 octets of the "
+                              "private /24 the namespaces use.")
+_PORT = flags.DEFINE_integer("port", 12357, "Coordinator port (in ns0).")
+_TIMEOUT = flags.DEFINE_integer("run_timeout_s", 300,
+                                "A run that takes longer is killed.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/shaped_links",
+                               "Parent of the runs' workdirs (emptied).")
+_OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
+_QUIET = flags.DEFINE_bool("quiet", True,
+                           "Runs' output to <workdir>/<run>.<i>.log only.")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _sh(*cmd: str, check: bool = True) -> str:
+  r = subprocess.run(cmd, capture_output=True, text=True)
+  if check and r.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): "
+                       f"{r.stderr.strip()}")
+  return r.stdout
+
+
+class Network:
+  """The namespaces, veths and bridge; `close` removes all it created."""
+
+  def __init__(self, n: int, subnet: str):
+    tag = f"dj{os.getpid()}"
+    self.bridge = f"{tag}br"
+    self.ns = [f"{tag}n{i}" for i in range(n)]
+    self.veth_ns = [f"{tag}v{i}" for i in range(n)]  # inside namespace i
+    self.veth_host = [f"{tag}h{i}" for i in range(n)]  # on the bridge
+    self.addr = [f"{subnet}.{i + 2}" for i in range(n)]
+    self._created: list[tuple[str, str]] = []  # (kind, name), in order
+    self._made_etc_netns = False
+
+  def create(self) -> None:
+    if f"{_SUBNET.value}." in _sh("ip", "-4", "route", "show", "table",
+                                  "all"):
+      raise RuntimeError(f"subnet {_SUBNET.value}.0/24 is routed already; "
+                         f"pick another with --subnet")
+    _sh("ip", "link", "add", self.bridge, "type", "bridge")
+    self._created.append(("link", self.bridge))
+    _sh("ip", "link", "set", self.bridge, "up")
+    if not os.path.isdir("/etc/netns"):
+      os.makedirs("/etc/netns")
+      self._made_etc_netns = True
+    hostname = socket.gethostname()
+    for ns, vn, vh, addr in zip(self.ns, self.veth_ns, self.veth_host,
+                                self.addr):
+      _sh("ip", "netns", "add", ns)
+      self._created.append(("netns", ns))
+      etc = f"/etc/netns/{ns}"
+      os.makedirs(etc)
+      self._created.append(("dir", etc))
+      with open(f"{etc}/hosts", "w") as f:
+        f.write(f"127.0.0.1 localhost\n::1 localhost\n{addr} {hostname}\n")
+      _sh("ip", "link", "add", vh, "type", "veth", "peer", "name", vn)
+      self._created.append(("link", vh))
+      _sh("ip", "link", "set", vn, "netns", ns)
+      _sh("ip", "link", "set", vh, "master", self.bridge)
+      _sh("ip", "link", "set", vh, "up")
+      self.exec(ns, "ip", "addr", "add", f"{addr}/24", "dev", vn)
+      self.exec(ns, "ip", "link", "set", vn, "up")
+      self.exec(ns, "ip", "link", "set", "lo", "up")
+
+  def exec(self, ns: str, *cmd: str) -> str:
+    return _sh("ip", "netns", "exec", ns, *cmd)
+
+  def shape(self, mbit: float | None) -> None:
+    for ns, vn in zip(self.ns, self.veth_ns):
+      if mbit is None:
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", vn,
+            "root", check=False)
+      else:
+        self.exec(ns, "tc", "qdisc", "replace", "dev", vn, "root", "tbf",
+                  "rate", f"{mbit}mbit", "burst", "64kb", "latency", "100ms")
+
+  def counters(self) -> list[dict]:
+    out = []
+    for ns, vn in zip(self.ns, self.veth_ns):
+      stats = f"/sys/class/net/{vn}/statistics"
+      out.append({k: int(self.exec(ns, "cat", f"{stats}/{k}"))
+                  for k in ("tx_bytes", "rx_bytes")})
+    return out
+
+  def close(self) -> None:
+    for kind, name in reversed(self._created):
+      try:
+        if kind == "netns":
+          _sh("ip", "netns", "del", name, check=False)
+        elif kind == "link":
+          if os.path.exists(f"/sys/class/net/{name}"):
+            _sh("ip", "link", "del", name, check=False)
+        elif kind == "dir":
+          shutil.rmtree(name, ignore_errors=True)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"cleanup of {kind} {name}: {e}", file=sys.stderr)
+    self._created.clear()
+    if self._made_etc_netns:
+      try:
+        os.rmdir("/etc/netns")
+      except OSError:
+        pass
+
+
+def _die_with_parent() -> None:
+  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _kill_all(children) -> None:
+  for child in children:
+    if child.poll() is None:
+      child.terminate()
+  deadline = time.monotonic() + 5
+  for child in children:
+    try:
+      child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      child.kill()
+      child.wait()
+
+
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def _run(net: Network, name: str, main_flags: list[str]) -> dict:
+  """One run, one process per namespace; its summary and link counters."""
+  workdir = os.path.join(os.path.abspath(_WORKDIR.value), name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.makedirs(workdir)
+  n = len(net.ns)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(PYTHONPATH=_REPO, JAX_PLATFORMS="cpu")
+  before = net.counters()
+  start = time.perf_counter()
+  logs = []
+  try:
+    for i, ns in enumerate(net.ns):
+      log = open(os.path.join(workdir, f"process{i}.log"), "wb")
+      logs.append(log)
+      _CHILDREN.append(subprocess.Popen(
+          ["ip", "netns", "exec", ns, sys.executable, "-m", "diloco_jax.main",
+           f"--config={_CONFIG.value}", f"--workdir={workdir}",
+           f"--coordinator_address={net.addr[0]}:{_PORT.value}",
+           f"--num_processes={n}", f"--process_id={i}", *main_flags],
+          cwd=_REPO, env=env, stdout=log if _QUIET.value else None,
+          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+    deadline = time.monotonic() + _TIMEOUT.value
+    while True:
+      codes = [c.poll() for c in _CHILDREN]
+      if any(code not in (None, 0) for code in codes):
+        bad = next(i for i, c in enumerate(codes) if c not in (None, 0))
+        raise RuntimeError(f"{name}: process {bad} exited {codes[bad]}; see "
+                           f"{workdir}/process{bad}.log")
+      if all(code == 0 for code in codes):
+        break
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"{name}: over --run_timeout_s={_TIMEOUT.value}")
+      time.sleep(0.2)
+  finally:
+    _kill_all(_CHILDREN)
+    _CHILDREN.clear()
+    for log in logs:
+      log.close()
+  wall = time.perf_counter() - start
+  after = net.counters()
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
+  delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+  return {"summary": summary, "config": config, "counters": delta,
+          "wall_s": wall}
+
+
+def _mode_flags(mode: str, codec: str) -> list[str]:
+  f = [f"--config.diloco.codec={codec}"]
+  if mode == "ddp":
+    return ["--config.mode=ddp"]
+  f.append("--config.mode=diloco")
+  if mode == "overlap_host":
+    f += ["--config.diloco.overlap=one_step_delay",
+          "--config.diloco.outer_placement=host"]
+  elif mode == "streaming":
+    f += [f"--config.diloco.fragments={_FRAGMENTS.value}",
+          f"--config.diloco.fragment_delay={_DELAY.value}"]
+  elif mode != "diloco":
+    raise app.UsageError(f"unknown mode {mode}")
+  return f
+
+
+def _model(config_dict: dict, step_s: float, mbit: float) -> dict:
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from diloco_jax import network_model  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(config_dict)
+  return network_model.run_estimate(config, step_time_s=step_s,
+                                    bandwidth_bits_per_s=mbit * 1e6,
+                                    latency_s=0.0)
+
+
+def _row(name, mode, codec, mbit, result, ref_step_s):
+  s = result["summary"]
+  steps, h = s["total_steps"], s["inner_steps"]
+  rounds = steps / h
+  row = {"run": name, "mode": mode, "codec": codec, "mbit": mbit,
+         "train_s": s["train_s"], "wall_s": result["wall_s"],
+         "round_s": s["train_s"] / rounds,
+         "step_s": s["train_s"] / steps,
+         "comm_bytes": s["comm_bytes"],
+         "link_tx_bytes": [c["tx_bytes"] for c in result["counters"]],
+         "link_rx_bytes": [c["rx_bytes"] for c in result["counters"]],
+         "summary_network_round_s": s.get("network_round_s"),
+         "summary_network_utilization": s.get("network_utilization"),
+         "final_eval_loss": s["final_eval_loss"]}
+  n = len(result["counters"])
+  row["link_bytes_per_process"] = sum(row["link_tx_bytes"]) / n
+  row["link_over_comm"] = (row["link_bytes_per_process"] / s["comm_bytes"]
+                           if s["comm_bytes"] else None)
+  if ref_step_s:
+    row["utilization"] = steps * ref_step_s / s["train_s"]
+    if mbit:
+      est = _model(result["config"], ref_step_s, mbit)
+      row["model_round_s"] = est["network_round_s"]
+      row["model_utilization"] = est["network_utilization"]
+  return row
+
+
+def _table(rows, ref_step_s) -> str:
+  fmt = lambda x, f: "" if x is None else format(x, f)
+  lines = [f"inner-step time (reference: diloco fp32, unshaped): "
+           f"{fmt(ref_step_s, '.4f')} s\n",
+           "| mode | codec | Mbit/s | round s | util | model round s | "
+           "model util | summary round s | link MB/proc | comm MB | "
+           "link/comm | eval loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {r['mode']} | {r['codec']} | {r['mbit'] or 'unshaped'} | "
+        f"{r['round_s']:.2f} | {fmt(r.get('utilization'), '.2f')} | "
+        f"{fmt(r.get('model_round_s'), '.2f')} | "
+        f"{fmt(r.get('model_utilization'), '.2f')} | "
+        f"{fmt(r['summary_network_round_s'], '.2f')} | "
+        f"{r['link_bytes_per_process'] / 1e6:.2f} | "
+        f"{r['comm_bytes'] / 1e6:.2f} | {fmt(r['link_over_comm'], '.2f')} | "
+        f"{r['final_eval_loss']:.4f} |")
+  return "\n".join(lines)
+
+
+def _on_signal(signum, _):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv):
+  del argv
+  if os.geteuid() != 0:
+    sys.exit("shaped_links.py needs root (network namespaces, veth, tc): "
+             "run it with sudo.")
+  for sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, _on_signal)
+  common = [f"--config.total_steps={_STEPS.value}",
+            f"--config.diloco.islands={_PROCESSES.value}",
+            f"--config.diloco.inner_steps={_INNER.value}",
+            "--config.checkpoint.every_rounds=0",
+            "--config.network.latency_s=0.0",
+            *_MODEL_FLAGS.value, *_EXTRA.value]
+  net = Network(_PROCESSES.value, _SUBNET.value)
+  rows, ref_step_s = [], None
+  try:
+    net.create()
+    plan = []
+    if _REFERENCE.value:
+      plan.append(("reference", "diloco", "fp32", None))
+    for mbit in map(float, _BANDWIDTHS.value):
+      mbit = int(mbit) if mbit == int(mbit) else mbit
+      for mode in _MODES.value:
+        for codec in (["fp32"] if mode == "ddp" else _CODECS.value):
+          plan.append((f"{mode}_{codec}_{mbit}mbit", mode, codec, mbit))
+    for name, mode, codec, mbit in plan:
+      net.shape(mbit)
+      print(f"{name} ...", flush=True)
+      rate = [f"--config.network.bandwidth_bits_per_s={mbit * 1e6}"] if mbit \
+          else []
+      result = _run(net, name, common + _mode_flags(mode, codec) + rate)
+      if name == "reference":
+        ref_step_s = result["summary"]["train_s"] / \
+            result["summary"]["total_steps"]
+      rows.append(_row(name, mode, codec, mbit, result, ref_step_s))
+      r = rows[-1]
+      print(f"  round {r['round_s']:.2f} s, link "
+            f"{r['link_bytes_per_process'] / 1e6:.2f} MB/proc, comm "
+            f"{r['comm_bytes'] / 1e6:.2f} MB", flush=True)
+  finally:
+    _kill_all(_CHILDREN)
+    net.close()
+    if rows:
+      table = _table(rows, ref_step_s)
+      print("\n" + table)
+      if _OUT.value:
+        os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)),
+                    exist_ok=True)
+        with open(_OUT.value, "w") as f:
+          json.dump({"reference_step_s": ref_step_s, "rows": rows,
+                     "table": table,
+                     "flags": {"steps": _STEPS.value, "H": _INNER.value,
+                               "processes": _PROCESSES.value,
+                               "model_flags": _MODEL_FLAGS.value,
+                               "config": _CONFIG.value}}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
