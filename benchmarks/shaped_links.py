@@ -2,7 +2,7 @@ r"""DiLoCo variants over a real, rate-limited link between processes (root).
 
   sudo .venv/bin/python benchmarks/shaped_links.py \
       [--bandwidths_mbit=1000,100] [--modes=ddp,diloco,overlap_host,streaming] \
-      [--codecs=fp32,int8] [--steps=30] [--inner_steps=10] [--out=res.json]
+      [--codecs=fp32,int8] [--steps=20] [--inner_steps=10] [--out=res.json]
 
 One island per process, one process per Linux network namespace. The
 namespaces (dj<pid>n0, dj<pid>n1, ...) hang off a bridge of their own in
@@ -74,7 +74,7 @@ _CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
                             "config.diloco.codec values (ddp: fp32 only; it "
                             "all-reduces fp32 gradients whatever the codec).")
 _CONFIG = flags.DEFINE_string("config", "configs/default.py", "Base config.")
-_STEPS = flags.DEFINE_integer("steps", 30, "config.total_steps of each run.")
+_STEPS = flags.DEFINE_integer("steps", 20, "config.total_steps of each run.")
 _INNER = flags.DEFINE_integer("inner_steps", 10, "H.")
 _FRAGMENTS = flags.DEFINE_integer("fragments", 2, "Streaming: fragments P.")
 _DELAY = flags.DEFINE_integer("fragment_delay", 2, "Streaming: tau.")
@@ -356,7 +356,7 @@ def main(argv):
             "--config.network.latency_s=0.0",
             *_MODEL_FLAGS.value, *_EXTRA.value]
   net = Network(_PROCESSES.value, _SUBNET.value)
-  rows, ref_step_s = [], None
+  rows, ref_step_s, failures = [], None, []
   try:
     net.create()
     plan = []
@@ -372,7 +372,12 @@ def main(argv):
       print(f"{name} ...", flush=True)
       rate = [f"--config.network.bandwidth_bits_per_s={mbit * 1e6}"] if mbit \
           else []
-      result = _run(net, name, common + _mode_flags(mode, codec) + rate)
+      try:
+        result = _run(net, name, common + _mode_flags(mode, codec) + rate)
+      except RuntimeError as e:  # one failed run: note it, go on
+        print(f"  FAILED: {e}", flush=True)
+        failures.append(str(e))
+        continue
       if name == "reference":
         ref_step_s = result["summary"]["train_s"] / \
             result["summary"]["total_steps"]
@@ -386,12 +391,14 @@ def main(argv):
     net.close()
     if rows:
       table = _table(rows, ref_step_s)
+      table += "".join(f"\nFAILED: {f}" for f in failures)
       print("\n" + table)
       if _OUT.value:
         os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)),
                     exist_ok=True)
         with open(_OUT.value, "w") as f:
           json.dump({"reference_step_s": ref_step_s, "rows": rows,
+                     "failures": failures,
                      "table": table,
                      "flags": {"steps": _STEPS.value, "H": _INNER.value,
                                "processes": _PROCESSES.value,
