@@ -140,3 +140,22 @@ def wrap_inner_step(monkeypatch, wrapper):
         wrapper, programs.inner_step))
 
   monkeypatch.setattr(programs_lib, "compile_programs", compile_programs)
+
+
+def check_islands_leave_the_outer_step_at_x(codec, atol: float,
+                                            islands: int = 4):
+  """One outer step through `codec`: every island ends at the new x, which
+  lies within `atol` of the islands' exact average. Returns the compiled
+  step's HLO text (to check what crossed the link)."""
+  state, outer, weights = state_after_one_inner_step(islands, codec)
+  hlo = outer.lower(state, weights).compile().as_text()
+  y = jax.device_get(state.island_params)
+  state = outer(state, weights)
+  new_y = jax.device_get(state.island_params)
+  x = jax.device_get(state.global_params)
+  for i in range(islands):
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b),
+                 new_y, x)
+  exact = jax.tree.map(lambda a: a.mean(axis=0), y)
+  assert_trees_close(x, exact, rtol=0, atol=atol)
+  return hlo

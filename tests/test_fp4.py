@@ -347,21 +347,10 @@ def test_fp4_configs_validate_and_odd_blocks_are_refused():
 
 
 def test_fp4_outer_step_leaves_every_island_with_the_same_params():
-  islands = 4
-  codec = codecs.make_codec("fp4", block_size=64)
-  state, outer, weights = helpers.state_after_one_inner_step(islands, codec)
+  hlo = helpers.check_islands_leave_the_outer_step_at_x(
+      codecs.make_codec("fp4", block_size=64), atol=5e-3)
   # Packed codes cross the link as bytes, in the one compiled program.
-  helpers.assert_compressed_one_program(
-      outer.lower(state, weights).compile().as_text(), wire_type="u8[")
-  y = jax.device_get(state.island_params)
-  state = outer(state, weights)
-  new_y = jax.device_get(state.island_params)
-  x = jax.device_get(state.global_params)
-  for i in range(islands):
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b),
-                 new_y, x)
-  exact = jax.tree.map(lambda a: a.mean(axis=0), y)
-  helpers.assert_trees_close(x, exact, rtol=0, atol=5e-3)
+  helpers.assert_compressed_one_program(hlo, wire_type="u8[")
 
 
 def test_training_with_fp4_stays_finite_and_reports_its_bytes(tmp_path):

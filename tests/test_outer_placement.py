@@ -21,16 +21,6 @@ from tests import test_multihost
 from tests import test_streaming
 
 
-def _moved(state, key, shardings):
-  leaves, treedef = jax.tree.flatten(state.island_params)
-  keys = jax.random.split(key, len(leaves))
-  moved = [y - 0.01 * jax.random.normal(k, y.shape)
-           for k, y in zip(keys, leaves)]
-  return jax.device_put(
-      state.replace(island_params=jax.tree.unflatten(treedef, moved)),
-      shardings)
-
-
 @pytest.mark.parametrize("overlap", ["none", "one_step_delay"])
 @pytest.mark.parametrize("codec,error_feedback", [("fp32", False),
                                                   ("int8", True)])
@@ -60,8 +50,9 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                            NamedSharding(mesh, P("island")))
   for r in range(3):
     key = jax.random.key(r)
-    on_device = outer(_moved(on_device, key, shardings), weights)
-    on_host = host.outer_step(_moved(on_host, key, stripped_shardings),
+    moved = test_streaming.moved_islands
+    on_device = outer(moved(on_device, key, shardings), weights)
+    on_host = host.outer_step(moved(on_host, key, stripped_shardings),
                               weights)
   if overlap == "one_step_delay":
     on_device = diloco.make_flush(outer_opt, mesh)(on_device)

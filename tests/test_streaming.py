@@ -105,7 +105,7 @@ def _model_config(num_layers):
   return config
 
 
-def _moved(state, key, shardings):
+def moved_islands(state, key, shardings):
   """The islands moved away from x by random amounts."""
   leaves, treedef = jax.tree.flatten(state.island_params)
   keys = jax.random.split(key, len(leaves))
@@ -147,8 +147,8 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
                            NamedSharding(mesh, P("island")))
   for r in range(3):
     key = jax.random.key(r)
-    plain = outer(_moved(plain, key, plain_shardings), weights)
-    streaming = merge(send(_moved(streaming, key, streaming_shardings),
+    plain = outer(moved_islands(plain, key, plain_shardings), weights)
+    streaming = merge(send(moved_islands(streaming, key, streaming_shardings),
                            weights))
     for name in ("global_params", "island_params", "residuals",
                  "codec_state", "outer_opt_state", "inner_opt_state"):
@@ -167,7 +167,7 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
       params, outer_opt, num_fragments))
   mesh = mesh_lib.build_mesh(islands)
   shardings = diloco.state_shardings(state, mesh)
-  state = _moved(jax.device_put(state, shardings), jax.random.key(0),
+  state = moved_islands(jax.device_put(state, shardings), jax.random.key(0),
                  shardings)
   assignment = fragments.leaf_fragments(params, num_fragments)
   before = jax.device_get(state)
