@@ -24,7 +24,7 @@ NEVER_ALLOWED = ("mode",)
 FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
                "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
                "resume", "diloco.islands", "diloco.outer_placement",
-               "network")
+               "network", "eval.island_mean")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -161,6 +161,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 16
   c.eval.num_batches = 4
+  # DiLoCo: also score the islands' plain average at each round's end
+  # (eval_loss_island_mean). Averaging is one fp32 all-reduce of the params
+  # over the island link per round, beyond what the algorithm sends, so it
+  # is off unless asked for.
+  c.eval.island_mean = False
   # ddp/single have no rounds; they evaluate every diloco.inner_steps steps so
   # their curves line up with DiLoCo's rounds.
 

@@ -29,7 +29,7 @@ class Programs(NamedTuple):
   sends: Any  # Streaming DiLoCo: per fragment, average it and step its x
   merges: Any  # Streaming DiLoCo: per fragment, fold its x into the islands
   evaluate: Any
-  evaluate_island_mean: Any
+  evaluate_island_mean: Any  # config.eval.island_mean: (state, batches)
   inspect_state: Any  # integrity.inspect_state, checked before each save
   compile_s: float
 
@@ -48,7 +48,8 @@ def batch_shapes(mesh, islands: int, batch_size: int, seq_len: int,
 
 def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
                      compression, state, batch, eval_batch,
-                     weights, saved_state=None) -> Programs:
+                     weights, saved_state=None,
+                     num_eval_batches: int = 1) -> Programs:
   """Compiles the inner step, outer step (diloco) and evaluations.
 
   `state`, `batch`, `eval_batch` and `weights` may be abstract
@@ -56,6 +57,8 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
   checkpoints hold when it differs from the one the steps take (with
   outer_placement='host' the outer fields live elsewhere, and the outer
   step is outer_placement.HostOuter's, not compiled here).
+  `num_eval_batches`: how many eval batches the islands' average
+  (config.eval.island_mean) is scored on, all in one program.
   """
   saved_state = state if saved_state is None else saved_state
   on_device = config.diloco.get("outer_placement", "device") == "device"
@@ -85,9 +88,9 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
         overlap=config.diloco.overlap).lower(state, weights).compile()
     if config.diloco.overlap == "one_step_delay":
       flush = diloco.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
-  if mode == "diloco":
-    evaluate_island_mean = diloco.make_evaluate(
-        loss_fn, mode, island_mean=True).lower(state, eval_batch).compile()
+  if mode == "diloco" and config.eval.island_mean:
+    evaluate_island_mean = diloco.make_evaluate_island_mean(loss_fn).lower(
+        state, (eval_batch,) * num_eval_batches).compile()
   evaluate = diloco.make_evaluate(loss_fn, mode).lower(
       state, eval_batch).compile()
   return Programs(inner_step, outer_step, flush, sends, merges, evaluate,
@@ -96,10 +99,11 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
                   time.perf_counter() - start)
 
 
-def compile_in_background(*args) -> concurrent.futures.Future:
-  """Starts compile_programs(*args) in a thread; .result() gives Programs."""
+def compile_in_background(*args, **kwargs) -> concurrent.futures.Future:
+  """Starts compile_programs(*args, **kwargs) in a thread; .result() gives
+  Programs."""
   pool = concurrent.futures.ThreadPoolExecutor(
       max_workers=1, thread_name_prefix="compile")
-  future = pool.submit(compile_programs, *args)
+  future = pool.submit(compile_programs, *args, **kwargs)
   pool.shutdown(wait=False)  # the thread ends with its one task
   return future

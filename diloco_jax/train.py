@@ -669,7 +669,8 @@ def _train(config, workdir: str, devices, launch_time: float,
         config, mesh, loss_fn, inner_opt, outer_opt, compression,
         (whole_abstract if host_outer is None
          else outer_placement.strip(whole_abstract)), batch_shape,
-        eval_shape, weights_shape, whole_abstract)
+        eval_shape, weights_shape, whole_abstract,
+        num_eval_batches=len(eval_set))
     jax.block_until_ready(state)
     logging.info("state %s in %.1fs", "restored" if restored else "initialized",
                  time.perf_counter() - phase_start)
@@ -855,8 +856,8 @@ def _train(config, workdir: str, devices, launch_time: float,
         round_ended = _round_ends(step, inner_steps, total_steps)
         if round_ended and evaluate_island_mean is not None:
           # Before the outer step resets them, the islands' plain average.
-          island_mean_loss = _mean_loss(evaluate_island_mean, state,
-                                        eval_arrays)
+          island_mean_loss = float(evaluate_island_mean(state,
+                                                        tuple(eval_arrays)))
         actions = sync_schedule.after(step)
         excluded = np.zeros(islands, bool)
         if actions:

@@ -186,6 +186,9 @@ def validate_config(config, num_devices: int) -> None:
       f"config.eval.batch_size={config.eval.batch_size} is not divisible by "
       f"islands x mesh.data = {eval_shards}",
   )
+  _require(isinstance(config.eval.island_mean, bool),
+           f"config.eval.island_mean={config.eval.island_mean!r} must be "
+           f"True or False")
 
   _validate_compression(config)
   _validate_safety(config)

@@ -3,8 +3,8 @@ r"""The outer params against the islands' plain average.
   python -m experiments.outer_vs_island_mean [--seeds=3] [--quick]
 
 Every DiLoCo round evaluates both the outer (global) params after the outer
-step and the plain average of the island params just before it (what
-FedAvg would serve). Streaming DiLoCo found the outer params evaluate
+step and, with config.eval.island_mean, the plain average of the island
+params just before it (what FedAvg would serve). Streaming DiLoCo found the outer params evaluate
 better. Two outer optimizers: Nesterov (lr 0.7, momentum 0.9), where the
 two differ, and SGD with lr 1, where they must be equal (a check).
 
@@ -23,6 +23,7 @@ STUDY = study_lib.Study(
                 "diloco.outer_optimizer.name": "sgd",
                 "diloco.outer_optimizer.learning_rate": 1.0})),
     reference="nesterov",
+    base_overrides={"eval.island_mean": True},
     plot=study_lib.curves_plot({"eval_loss": "outer params",
                                 "eval_loss_island_mean": "islands' mean"}),
 )

@@ -134,8 +134,8 @@ def wrap_inner_step(monkeypatch, wrapper):
   a given call."""
   real = programs_lib.compile_programs
 
-  def compile_programs(*args):
-    programs = real(*args)
+  def compile_programs(*args, **kwargs):
+    programs = real(*args, **kwargs)
     return programs._replace(inner_step=functools.partial(
         wrapper, programs.inner_step))
 

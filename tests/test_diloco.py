@@ -367,3 +367,41 @@ def test_microbatched_step_equals_the_whole_batch(islands, data):
   np.testing.assert_allclose(four_metrics["grad_norm"],
                              one_metrics["grad_norm"], rtol=1e-5)
   helpers.assert_trees_close(four, one, rtol=1e-5, atol=1e-6)
+
+
+def _collective_sizes(hlo: str) -> list[list[int]]:
+  """Per collective in compiled HLO text, the element counts of its
+  operands (a collective over a tuple has several)."""
+  ops = "all-to-all|all-gather|all-reduce|collective-permute|reduce-scatter"
+  return [[int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+           for dims in re.findall(r"\[([\d,]*)\]", types)]
+          for types in helpers.collective_types(hlo, ops)]
+
+
+@pytest.mark.parametrize("islands,data", [(2, 1), (2, 2)])
+def test_evaluation_sends_no_params_across_islands(islands, data):
+  """Scoring x (DiLoCo) or the identical islands (ddp) moves losses only;
+  the islands' average is one all-reduce of the params for all batches."""
+  params, loss_fn, _, _, mesh, state = _setup(islands, data)
+  batch = jax.device_put(
+      helpers.random_batches(1, 1, 4 * islands * data)[0, 0],
+      NamedSharding(mesh, jax.sharding.PartitionSpec(
+          (mesh_lib.ISLAND, mesh_lib.DATA))))
+  for mode in ("ddp", "diloco"):
+    evaluate = diloco.make_evaluate(loss_fn, mode)
+    sizes = _collective_sizes(
+        evaluate.lower(state, batch).compile().as_text())
+    assert max(n for op in sizes for n in op) <= islands * data, (mode, sizes)
+    # ddp's islands are identical: each island's share with its own params
+    # is island 0's loss on the whole batch.
+    island_0 = loss_fn(jax.tree.map(lambda y: np.asarray(y)[0],
+                                    state.island_params), np.asarray(batch))
+    np.testing.assert_allclose(evaluate(state, batch), island_0, rtol=1e-6)
+
+  evaluate_mean = diloco.make_evaluate_island_mean(loss_fn)
+  sizes = _collective_sizes(
+      evaluate_mean.lower(state, (batch,) * 3).compile().as_text())
+  leaf_sizes = sorted(int(np.size(p)) for p in jax.tree.leaves(params))
+  # Each param crosses once (XLA may combine them into one collective).
+  sent = sorted(n for op in sizes for n in op if n > islands * data)
+  assert sent == leaf_sizes, sizes
