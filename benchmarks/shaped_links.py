@@ -2,7 +2,8 @@ r"""DiLoCo variants over a real, rate-limited link between processes (root).
 
   sudo .venv/bin/python benchmarks/shaped_links.py \
       [--bandwidths_mbit=1000,100] [--modes=ddp,diloco,overlap_host,streaming] \
-      [--codecs=fp32,int8] [--steps=20] [--inner_steps=10] [--out=res.json]
+      [--codecs=fp32,int8] [--steps=60] [--ddp_steps=30] [--inner_steps=10]
+      [--out=res.json]
 
 One island per process, one process per Linux network namespace. The
 namespaces (dj<pid>n0, dj<pid>n1, ...) hang off a bridge of their own in
@@ -22,18 +23,20 @@ script creates (namespaces, veths, bridge, /etc/netns entries) is removed
 at the end, also on an error, Ctrl-C or SIGTERM.
 
 Per run the table gives:
-  * round s: the measured wall-clock per round, summary train_s / (steps/H)
-    (ddp: a 'round' is H steps, as ddp evaluates every H steps).
-  * util: measured compute utilization, steps x inner-step time / train_s,
-    where the inner-step time is train_s / steps of a reference run: diloco
-    fp32, overlap none, in the same namespaces with NO rate limit (its few
-    syncs over an unshaped veth are included, so it is an upper bound on the
-    step's compute time and util a slight overestimate).
+  * round s: the steady-state wall-clock per round (ddp: per H steps, as
+    ddp evaluates every H steps), from metrics.jsonl's elapsed_s at the
+    round ends: the mean of rounds 2 .. R-1 (round 1 holds warm-up, the
+    last one the end-of-run syncs); train_s / rounds with fewer than 3.
+  * util: compute utilization in that steady state, H x inner-step time /
+    round s, where the inner-step time is the steady round / H of a
+    reference run: diloco fp32, overlap none, in the same namespaces with
+    NO rate limit (its syncs over an unshaped veth are included, so it
+    slightly overstates the step's compute time, and util).
   * model round s / model util: network_model.run_estimate for the run's
     config at that reference step time and the shaped rate (latency 0: tbf
-    adds none). summary round s: summary.json's own network_round_s, which
-    the run computes at ITS step time train_s / steps (stalls included, so
-    it over-predicts a slow link).
+    adds none); err: round s / model round s - 1.
+  * train s / model train s: the whole loop (warm-up and end-of-run syncs
+    included) beside the model's network_wall_s.
   * link MB/proc: bytes that crossed the link, the mean over namespaces of
     the namespace veth's tx_bytes (read inside the namespace before the
     processes start and after they exit: so it includes the coordinator's
@@ -64,7 +67,7 @@ if _REPO not in sys.path:
 
 _PROCESSES = flags.DEFINE_integer("processes", 2,
                                   "Processes (= islands, one each).")
-_BANDWIDTHS = flags.DEFINE_list("bandwidths_mbit", ["1000", "100"],
+_BANDWIDTHS = flags.DEFINE_list("bandwidths_mbit", ["1000", "100", "10"],
                                 "Link rates to measure, Mbit/s.")
 _MODES = flags.DEFINE_list(
     "modes", ["ddp", "diloco", "overlap_host", "streaming"],
@@ -74,7 +77,10 @@ _CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
                             "config.diloco.codec values (ddp: fp32 only; it "
                             "all-reduces fp32 gradients whatever the codec).")
 _CONFIG = flags.DEFINE_string("config", "configs/default.py", "Base config.")
-_STEPS = flags.DEFINE_integer("steps", 20, "config.total_steps of each run.")
+_STEPS = flags.DEFINE_integer("steps", 60, "config.total_steps of each "
+                              "DiLoCo run.")
+_DDP_STEPS = flags.DEFINE_integer("ddp_steps", 30, "config.total_steps of "
+                                  "the ddp runs (slow on slow links).")
 _INNER = flags.DEFINE_integer("inner_steps", 10, "H.")
 _FRAGMENTS = flags.DEFINE_integer("fragments", 2, "Streaming: fragments P.")
 _DELAY = flags.DEFINE_integer("fragment_delay", 2, "Streaming: tau.")
@@ -93,7 +99,7 @@ _REFERENCE = flags.DEFINE_bool(
 _SUBNET = flags.DEFINE_string("subnet", "10.77.0", "First 3 octets of the "
                               "private /24 the namespaces use.")
 _PORT = flags.DEFINE_integer("port", 12357, "Coordinator port (in ns0).")
-_TIMEOUT = flags.DEFINE_integer("run_timeout_s", 300,
+_TIMEOUT = flags.DEFINE_integer("run_timeout_s", 600,
                                 "A run that takes longer is killed.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/shaped_links",
                                "Parent of the runs' workdirs (emptied).")
@@ -260,9 +266,23 @@ def _run(net: Network, name: str, main_flags: list[str]) -> dict:
     summary = json.load(f)
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    metrics = [json.loads(line) for line in f]
   delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
   return {"summary": summary, "config": config, "counters": delta,
-          "wall_s": wall}
+          "wall_s": wall, "metrics": metrics}
+
+
+def steady_round_s(metrics: list[dict], inner_steps: int,
+                   train_s: float) -> float:
+  """The mean wall-clock of rounds 2 .. R-1 from the records' elapsed_s at
+  the round ends (train_s / R with fewer than 3 rounds)."""
+  ends = {r["step"]: r["elapsed_s"] for r in metrics
+          if r["step"] % inner_steps == 0}
+  rounds = len(ends)
+  if rounds < 3:
+    return train_s / max(rounds, 1)
+  return (ends[(rounds - 1) * inner_steps] - ends[inner_steps]) / (rounds - 2)
 
 
 def _mode_flags(mode: str, codec: str) -> list[str]:
@@ -292,12 +312,13 @@ def _model(config_dict: dict, step_s: float, mbit: float) -> dict:
 
 def _row(name, mode, codec, mbit, result, ref_step_s):
   s = result["summary"]
-  steps, h = s["total_steps"], s["inner_steps"]
-  rounds = steps / h
+  h = s["inner_steps"]
+  round_s = steady_round_s(result["metrics"], h, s["train_s"])
   row = {"run": name, "mode": mode, "codec": codec, "mbit": mbit,
          "train_s": s["train_s"], "wall_s": result["wall_s"],
-         "round_s": s["train_s"] / rounds,
-         "step_s": s["train_s"] / steps,
+         "round_s": round_s, "step_s": round_s / h,
+         "round_ends_s": [r["elapsed_s"] for r in result["metrics"]
+                          if r["step"] % h == 0],
          "comm_bytes": s["comm_bytes"],
          "link_tx_bytes": [c["tx_bytes"] for c in result["counters"]],
          "link_rx_bytes": [c["rx_bytes"] for c in result["counters"]],
@@ -309,11 +330,13 @@ def _row(name, mode, codec, mbit, result, ref_step_s):
   row["link_over_comm"] = (row["link_bytes_per_process"] / s["comm_bytes"]
                            if s["comm_bytes"] else None)
   if ref_step_s:
-    row["utilization"] = steps * ref_step_s / s["train_s"]
+    row["utilization"] = h * ref_step_s / round_s
     if mbit:
       est = _model(result["config"], ref_step_s, mbit)
       row["model_round_s"] = est["network_round_s"]
       row["model_utilization"] = est["network_utilization"]
+      row["model_train_s"] = est["network_wall_s"]
+      row["model_error"] = round_s / est["network_round_s"] - 1
   return row
 
 
@@ -322,16 +345,17 @@ def _table(rows, ref_step_s) -> str:
   lines = [f"inner-step time (reference: diloco fp32, unshaped): "
            f"{fmt(ref_step_s, '.4f')} s\n",
            "| mode | codec | Mbit/s | round s | util | model round s | "
-           "model util | summary round s | link MB/proc | comm MB | "
-           "link/comm | eval loss |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "model util | err | train s | model train s | link MB/proc | "
+           "comm MB | link/comm | eval loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r['mode']} | {r['codec']} | {r['mbit'] or 'unshaped'} | "
         f"{r['round_s']:.2f} | {fmt(r.get('utilization'), '.2f')} | "
         f"{fmt(r.get('model_round_s'), '.2f')} | "
         f"{fmt(r.get('model_utilization'), '.2f')} | "
-        f"{fmt(r['summary_network_round_s'], '.2f')} | "
+        f"{fmt(r.get('model_error'), '+.0%')} | {r['train_s']:.1f} | "
+        f"{fmt(r.get('model_train_s'), '.1f')} | "
         f"{r['link_bytes_per_process'] / 1e6:.2f} | "
         f"{r['comm_bytes'] / 1e6:.2f} | {fmt(r['link_over_comm'], '.2f')} | "
         f"{r['final_eval_loss']:.4f} |")
@@ -349,8 +373,7 @@ def main(argv):
              "run it with sudo.")
   for sig in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, _on_signal)
-  common = [f"--config.total_steps={_STEPS.value}",
-            f"--config.diloco.islands={_PROCESSES.value}",
+  common = [f"--config.diloco.islands={_PROCESSES.value}",
             f"--config.diloco.inner_steps={_INNER.value}",
             "--config.checkpoint.every_rounds=0",
             "--config.network.latency_s=0.0",
@@ -373,14 +396,17 @@ def main(argv):
       rate = [f"--config.network.bandwidth_bits_per_s={mbit * 1e6}"] if mbit \
           else []
       try:
-        result = _run(net, name, common + _mode_flags(mode, codec) + rate)
+        steps = _DDP_STEPS.value if mode == "ddp" else _STEPS.value
+        result = _run(net, name, common + _mode_flags(mode, codec) + rate
+                      + [f"--config.total_steps={steps}"])
       except RuntimeError as e:  # one failed run: note it, go on
         print(f"  FAILED: {e}", flush=True)
         failures.append(str(e))
         continue
       if name == "reference":
-        ref_step_s = result["summary"]["train_s"] / \
-            result["summary"]["total_steps"]
+        ref_step_s = steady_round_s(
+            result["metrics"], _INNER.value,
+            result["summary"]["train_s"]) / _INNER.value
       rows.append(_row(name, mode, codec, mbit, result, ref_step_s))
       r = rows[-1]
       print(f"  round {r['round_s']:.2f} s, link "
@@ -400,7 +426,9 @@ def main(argv):
           json.dump({"reference_step_s": ref_step_s, "rows": rows,
                      "failures": failures,
                      "table": table,
-                     "flags": {"steps": _STEPS.value, "H": _INNER.value,
+                     "flags": {"steps": _STEPS.value,
+                               "ddp_steps": _DDP_STEPS.value,
+                               "H": _INNER.value,
                                "processes": _PROCESSES.value,
                                "model_flags": _MODEL_FLAGS.value,
                                "config": _CONFIG.value}}, f, indent=1)

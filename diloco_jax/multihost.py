@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # The launcher (diloco_jax.launch) and users set these, as JAX reads
 # JAX_COORDINATOR_ADDRESS itself.
@@ -149,6 +150,43 @@ def fetch(tree):
                             else next(local) for i in range(len(leaves))])
 
 
+def _process_mesh() -> Mesh:
+  """A mesh of one device per process: each process's first device.
+
+  The small host-value gathers run there and nowhere else. jax's own
+  process_allgather spans every device, the outer device of
+  config.diloco.outer_placement='host' (each process's LAST CPU device)
+  included, so a gather each step would queue behind the collective in
+  flight there and stall the islands until it lands.
+  """
+  first = {}
+  for device in jax.devices():
+    first.setdefault(device.process_index, device)
+  return Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
+
+
+def _identity(x):
+  return x
+
+
+def process_allgather(value) -> np.ndarray:
+  """[processes, *shape]: every process's numpy `value`, stacked in
+  process order (a collective: every process calls it at the same point
+  with the same shape and dtype)."""
+  value = np.asarray(value)
+  if jax.process_count() == 1:
+    return value[None]
+  mesh = _process_mesh()
+  local = next(d for d in mesh.devices.flat
+               if d.process_index == jax.process_index())
+  spread = jax.make_array_from_single_device_arrays(
+      (mesh.size,) + value.shape, NamedSharding(mesh, P("processes")),
+      [jax.device_put(value[None], local)])
+  gathered = jax.jit(_identity, out_shardings=NamedSharding(mesh, P()))(
+      spread)
+  return np.asarray(gathered.addressable_data(0))
+
+
 def any_process(flag: bool) -> bool:
   """Whether `flag` is set on any process (a collective when several).
 
@@ -157,8 +195,7 @@ def any_process(flag: bool) -> bool:
   """
   if jax.process_count() == 1:
     return bool(flag)
-  return bool(np.any(multihost_utils.process_allgather(
-      np.array([flag], np.bool_))))
+  return bool(np.any(process_allgather(np.array([flag], np.bool_))))
 
 
 def gather_json(value) -> list:
@@ -170,14 +207,12 @@ def gather_json(value) -> list:
   if jax.process_count() == 1:
     return [value]
   payload = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-  lengths = multihost_utils.process_allgather(
-      np.array([payload.size], np.int32))
+  lengths = process_allgather(np.array(payload.size, np.int32))
   padded = np.zeros(int(np.max(lengths)), np.uint8)
   padded[:payload.size] = payload
-  gathered = multihost_utils.process_allgather(padded)
+  gathered = process_allgather(padded)
   return [json.loads(bytes(row[:int(n)]).decode())
-          for row, n in zip(np.asarray(gathered).reshape(len(lengths), -1),
-                            np.asarray(lengths).ravel())]
+          for row, n in zip(gathered, lengths)]
 
 
 def merge_island_states(state: Mapping, islands: range,

@@ -421,6 +421,23 @@ def _max_cycle_mean(a: np.ndarray) -> float:
   return float(best)
 
 
+def end_of_run_s(workload: Workload, link: Link) -> float:
+  """What a run spends after its last inner step beyond a steady round.
+
+  The syncs sent after the last step have no later steps to hide behind:
+  each of the P fragments' collectives (the whole model's under one-step
+  delay) is waited for in full and applied, where a steady round waits
+  max(0, c_f - tau step). So the run ends P min(c_f, tau step) later than
+  its rounds x round_s; 0 without delay (tau = 0) or for ddp.
+  """
+  tau = workload.delay_steps
+  if workload.mode != "diloco" or workload.islands <= 1 or tau == 0:
+    return 0.0
+  p = workload.fragments
+  c = allreduce_time(workload.sync_bytes / p, workload.islands, link)
+  return p * min(c, tau * workload.step_time_s)
+
+
 def round_time(workload: Workload, link: Link) -> float:
   """Seconds of one steady-state round (H inner steps); see `timing`."""
   return timing(workload, link).round_s
@@ -534,7 +551,8 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
 
   Returns:
     A dict of JSON numbers: the link, the bytes per sync, the modeled round
-    time, utilization and wall-clock time of the whole run, and
+    time, utilization and wall-clock time of the whole run (its rounds and
+    end_of_run_s), and
     `network_bandwidth_for_utilization` {target: bits/s} (None where latency
     alone forbids the target).
   """
@@ -560,6 +578,7 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
       "network_round_s": t.round_s,
       "network_utilization": t.utilization,
       "network_wall_s": pretrain * step_time_s
-                        + steps / workload.inner_steps * t.round_s,
+                        + steps / workload.inner_steps * t.round_s
+                        + (end_of_run_s(workload, link) if steps else 0.0),
       "network_bandwidth_for_utilization": needed,
   }

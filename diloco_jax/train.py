@@ -747,6 +747,9 @@ def _train(config, workdir: str, devices, launch_time: float,
       finite = np.isfinite(losses) & np.isfinite(norms)
       some_diverged = syncs and 0 < finite.sum() < finite.size
       kept = finite if some_diverged else np.ones_like(finite)
+      # Wall-clock since this process's loop started, when the step's
+      # metrics (and, at a round's end, its syncs and eval) were done.
+      record["elapsed_s"] = time.perf_counter() - train_start
       record["train_loss"] = float(np.mean(losses[kept]))
       record["grad_norm"] = float(np.mean(norms[kept]))
       if some_diverged:

@@ -408,3 +408,29 @@ def test_run_estimate_is_json_for_a_summary():
   measured = nm.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
                              sync_bytes=123_456.0)
   assert measured["network_sync_bytes"] == 123_456.0
+
+
+@pytest.mark.parametrize("bandwidth", [0.1 * GBIT, 10 * GBIT])
+def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
+  link = nm.Link(bandwidth, 0.0)
+  step, h = 0.5, 10
+  plain = nm.diloco_workload(N, 4, step, h)
+  delay = nm.diloco_workload(N, 4, step, h, overlap="one_step_delay")
+  streaming = nm.diloco_workload(N, 4, step, h, fragments=2,
+                                 fragment_delay=2)
+  c = nm.allreduce_time(plain.sync_bytes, 4, link)
+  assert nm.end_of_run_s(plain, link) == 0.0
+  assert nm.end_of_run_s(nm.ddp_workload(N, 4, step), link) == 0.0
+  # A steady round waited max(0, c - H step) for the mean; the last one is
+  # waited for whole.
+  assert nm.end_of_run_s(delay, link) == pytest.approx(min(c, h * step))
+  assert nm.end_of_run_s(streaming, link) == pytest.approx(
+      2 * min(nm.allreduce_time(plain.sync_bytes / 2, 4, link), 2 * step))
+
+  config = config_schema.base_config()
+  config.total_steps, config.diloco.inner_steps = 200, h
+  config.diloco.overlap = "one_step_delay"
+  estimate = nm.run_estimate(config, step, bandwidth, params=_tree())
+  workload, _ = nm.from_config(config, step, bandwidth, params=_tree())
+  assert estimate["network_wall_s"] == pytest.approx(
+      20 * nm.round_time(workload, link) + nm.end_of_run_s(workload, link))

@@ -12,7 +12,7 @@ from diloco_jax import validation
 from configs import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_KEYS = {"step", "round", "train_loss", "tokens_seen", "comm_bytes",
+STEP_KEYS = {"step", "round", "train_loss", "tokens_seen", "elapsed_s", "comm_bytes",
              "ddp_comm_bytes"}
 SUMMARY_KEYS = {"final_eval_loss", "comm_bytes", "ddp_comm_bytes", "wall_s",
                 "tokens_per_s", "mode", "islands", "inner_steps"}
