@@ -26,6 +26,7 @@ which stays the same pytree whichever the placement.
 """
 
 import collections
+import concurrent.futures
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,7 @@ class HostOuter:
                overlap: str = "none"):
     self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
     self._compute_mesh = compute_mesh
+    self._islands = islands
     self._delayed = overlap == "one_step_delay"
     self._inner_opt = inner_opt
     self._restart_dropped = restart_dropped
@@ -192,6 +194,7 @@ class HostOuter:
 
     self._send = jax.jit(send)
     self._apply = jax.jit(apply)
+    self._compiling = None  # a Future of (send, apply), compiled from shapes
 
     def reset(state, x, restart, ends_round):
       """Every island starts the next round from x; islands in `restart`
@@ -212,6 +215,39 @@ class HostOuter:
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=3)
     self._finite = jax.jit(diloco.islands_finite)
+
+  def compile_in_background(self, state) -> None:
+    """Starts compiling the outer side's collective and update from the
+    shapes of the whole `state` (abstract, as checkpoints hold it), so the
+    first round's end does not compile them. The first outer_step waits for
+    the result."""
+    island = NamedSharding(self.mesh, P(mesh_lib.ISLAND))
+    outer = state.replace(island_params=None, inner_opt_state=None)
+    outer = placement.with_shardings(
+        outer, diloco.state_shardings(outer, self.mesh))
+    island_params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=island),
+        state.island_params)
+    weights = jax.ShapeDtypeStruct((self._islands,), jnp.float32,
+                                   sharding=island)
+
+    def compile_both():
+      send = self._send.lower(outer, island_params, weights,
+                              outer.global_params).compile()
+      apply = self._apply.lower(outer).compile() if self._delayed else None
+      return send, apply
+
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="compile-outer")
+    self._compiling = pool.submit(compile_both)
+    pool.shutdown(wait=False)
+
+  def _use_compiled(self) -> None:
+    if self._compiling is not None:
+      send, apply = self._compiling.result()
+      self._send, self._compiling = send, None
+      if apply is not None:
+        self._apply = apply
 
   @property
   def outer_state(self) -> diloco.TrainState:
@@ -237,6 +273,7 @@ class HostOuter:
 
   def outer_step(self, state: diloco.TrainState, weights: jax.Array):
     """The round's end: the islands' params go out, x comes back."""
+    self._use_compiled()
     restart = ~self._finite(state)
     if self._restart_dropped:
       restart = restart | (weights <= 0)
@@ -260,6 +297,7 @@ class HostOuter:
 
   def flush(self, state: diloco.TrainState):
     """The end of a one-step-delay run: the last mean is applied."""
+    self._use_compiled()
     self._outer = self._apply(self._outer)
     islands = diloco.num_islands(state)
     return self._reset(state, self._x_on_compute(),

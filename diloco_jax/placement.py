@@ -118,6 +118,14 @@ def constrain(tree, shardings):
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def with_shardings(abstract_tree, shardings):
+  """jax.ShapeDtypeStructs of `abstract_tree` placed on `shardings` (a tree
+  like it), to compile or restore for that placement."""
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_tree, shardings)
+
+
 def stripe_axis(shape, stripes: int) -> int | None:
   """The axis FSDP splits over `stripes` devices, or None (replicated)."""
   spec = fsdp_spec(shape, stripes, True)

@@ -17,7 +17,6 @@ at a time (workdir.py); a NaN or inf stops the run or rolls it back
 config that changes the run's meaning is refused (config_changes.py).
 """
 
-import dataclasses
 import functools
 import json
 import math
@@ -27,15 +26,13 @@ import time
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diloco_jax import accounting
 from diloco_jax import checkpointing
 from diloco_jax import compression as compression_lib
-from diloco_jax import communication
 from diloco_jax import config_changes
 from diloco_jax import diloco
 from diloco_jax import flops
-from diloco_jax import fragments as fragments_lib
 from diloco_jax import guards
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import metrics as metrics_lib
@@ -45,7 +42,9 @@ from diloco_jax import network_model
 from diloco_jax import optimizers
 from diloco_jax import outer_placement
 from diloco_jax import participation
+from diloco_jax import placement
 from diloco_jax import programs as programs_lib
+from diloco_jax import resume
 from diloco_jax import schedule as schedule_lib
 from diloco_jax import state_spec as state_spec_lib
 from diloco_jax import stops
@@ -53,46 +52,6 @@ from diloco_jax import validation
 from diloco_jax import warm_start
 from diloco_jax import workdir as workdir_lib
 from diloco_jax.data import sources
-
-class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
-  """Resuming under a config that changes the run's meaning, not allowed."""
-
-
-@dataclasses.dataclass
-class Progress:
-  """The run's counters, saved with each checkpoint and restored with it.
-
-  A restart may change the island count, so per-island progress is cut or
-  padded to the islands there are now.
-  """
-  islands: int
-  rounds_done: int = 0
-  tokens_seen: int = 0
-  comm_bytes: int = 0  # what one island has sent
-  ddp_comm_bytes: int = 0  # what DDP would have sent for the same steps
-  fp32_comm_bytes: int = 0  # what the syncs would have sent uncompressed
-  island_round_steps: np.ndarray = None  # steps since each island's last sync
-  config_changes: list = dataclasses.field(default_factory=list)
-  rollbacks: list = dataclasses.field(default_factory=list)
-  initialized_from: dict | None = None  # warm_start.WarmStart.record
-
-  def __post_init__(self):
-    steps = np.zeros(self.islands, np.int64)
-    saved = list([] if self.island_round_steps is None
-                 else self.island_round_steps)[:self.islands]
-    steps[:len(saved)] = saved
-    self.island_round_steps = steps
-
-  @classmethod
-  def from_meta(cls, meta: dict, islands: int) -> "Progress":
-    names = {f.name for f in dataclasses.fields(cls)} - {"islands"}
-    return cls(islands, **{k: v for k, v in meta.items() if k in names})
-
-  def to_meta(self) -> dict:
-    record = dataclasses.asdict(self)
-    record["island_round_steps"] = self.island_round_steps.tolist()
-    return record
-
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
   # A callback rather than device_put: each process materializes only the
@@ -140,108 +99,6 @@ def _mean_loss(evaluate, state, eval_arrays) -> float:
                                        for b in eval_arrays])))
 
 
-def _with_shardings(abstract_tree, shardings):
-  return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract_tree, shardings)
-
-
-def _refuse_config_changes(path: str, meta: dict, config) -> None:
-  """Raises ConfigChangedError for changes resume.allow_changes lacks.
-
-  Args:
-    path: the checkpoint's directory (WORKDIR/checkpoints/STEP).
-  """
-  where = f"checkpoint {path}"
-  if "config" not in meta:
-    return
-  refused = config_changes.refused(
-      config_changes.changes(meta["config"], _config_record(config)),
-      config.resume.allow_changes)
-  if any(c["field"] in config_changes.NEVER_ALLOWED for c in refused):
-    raise ConfigChangedError(
-        f"{where} was written by a {meta['config']['mode']!r} run; a "
-        f"checkpoint of another mode cannot be resumed as config.mode="
-        f"{config.mode!r} in place (ddp and single runs never update the "
-        "global params that every island would start from); to start from "
-        f"its model, use another --workdir with --config.init_from={path}")
-  if refused:
-    names = ",".join(c["field"] for c in refused)
-    raise ConfigChangedError(
-        f"{where} was written with another config: "
-        f"{config_changes.describe(refused)}; rerun with the checkpoint's "
-        f"values, use another workdir, or allow the change with "
-        f"--config.resume.allow_changes={names}")
-
-
-def _config_record(config) -> dict:
-  return json.loads(config.to_json_best_effort())
-
-
-def _restore(checkpointer, config, abstract_state, mesh, inner_opt,
-             islands: int, compare_config: bool = True):
-  """Restores the newest readable checkpoint, adapting the island count.
-
-  Returns:
-    (step, meta, state), or None when there is no checkpoint.
-
-  Raises:
-    checkpointing.IncompatibleCheckpointError: the checkpoint was written for
-      a model of another shape, or (ConfigChangedError) with a config whose
-      meaning differs, when compare_config (checked before any array is
-      read).
-  """
-  current_shapes = checkpointing.param_shapes_record(
-      abstract_state.global_params)
-  current_layout = checkpointing.state_layout_record(abstract_state)
-  target_shardings = diloco.state_shardings(abstract_state, mesh,
-                                           config.mesh.fsdp)
-
-  def restore(step, meta):
-    path = f"{checkpointer.directory}/{step}"
-    where = f"checkpoint {path}"
-    if compare_config:
-      _refuse_config_changes(path, meta, config)
-    mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
-                                            current_shapes)
-    if mismatch:
-      raise checkpointing.IncompatibleCheckpointError(
-          f"{where} was written for another model: {mismatch} "
-          "(config.model differs)")
-    mismatch = checkpointing.layout_mismatch(meta["state_layout"],
-                                             current_layout)
-    if mismatch:
-      raise checkpointing.IncompatibleCheckpointError(
-          f"{where} has another state layout: {mismatch} (config.diloco."
-          "outer_optimizer, config.inner_optimizer, config.diloco.codec "
-          "settings, config.diloco.error_feedback or config.diloco.overlap "
-          "differ)")
-    saved_islands = meta["islands"]
-    checksums = meta.get(checkpointing.CHECKSUMS)
-    if saved_islands == islands:
-      return checkpointer.restore_state(
-          step, _with_shardings(abstract_state, target_shardings), checksums)
-    # Read at the saved island count, replicated, then resize and reshard.
-    saved_abstract = jax.eval_shape(
-        lambda s: diloco.resize_islands(s, saved_islands, inner_opt),
-        abstract_state)
-    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
-                              saved_abstract)
-    saved = checkpointer.restore_state(
-        step, _with_shardings(saved_abstract, replicated), checksums)
-    logging.warning(
-        "resuming with %d islands from a checkpoint of %d: %s", islands,
-        saved_islands,
-        f"islands {islands}..{saved_islands - 1} are dropped with their "
-        "progress since the last outer step" if islands < saved_islands else
-        f"islands {saved_islands}..{islands - 1} start from the global params"
-        " with fresh inner optimizer state")
-    return jax.jit(lambda s: diloco.resize_islands(s, islands, inner_opt),
-                   out_shardings=target_shardings)(saved)
-
-  return checkpointer.latest_readable(restore)
-
-
 def _placement_line(mesh, islands: int, config) -> str:
   slots = mesh.shape[mesh_lib.ISLAND]
   folded = mesh_lib.folded_islands(mesh, islands)
@@ -251,52 +108,6 @@ def _placement_line(mesh, islands: int, config) -> str:
   if folded > 1:
     line += f", {folded} folded per slot"
   return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
-
-
-def _byte_counts(config, param_shapes, islands: int, compression):
-  """(bytes of one ddp step, sync_bytes(rank_indices, fragment=None) ->
-  bytes of a sync, fp32_sync_bytes(fragment) -> the same sync in float32).
-
-  Bytes one island sends: DDP all-reduces float32 gradients, DiLoCo sends
-  pseudo-gradients through the codec (at this round's low-rank ranks, or
-  None for codecs without ranks), of every param or of one Streaming DiLoCo
-  fragment; with FSDP every device of an island sends its own shards' part.
-  """
-  stripes = config.mesh.data if config.mesh.fsdp else 1
-  ddp_step_bytes = communication.island_mean_bytes(param_shapes, islands,
-                                                   stripes=stripes)
-
-  @functools.lru_cache(maxsize=None)  # few rank patterns recur
-  def sync_bytes(rank_indices: tuple[int, ...] | None,
-                 fragment: int | None = None) -> int:
-    if config.mode != "diloco":
-      return ddp_step_bytes
-    shapes = param_shapes
-    if fragment is not None:
-      assignment = fragments_lib.leaf_fragments(param_shapes,
-                                                config.diloco.fragments)
-      shapes = fragments_lib.select(param_shapes, assignment, fragment)
-      if rank_indices is not None:
-        rank_indices = tuple(rank_indices[i] for i in
-                             fragments_lib.codec_positions(
-                                 param_shapes, compression, assignment,
-                                 fragment))
-    return compression_lib.mean_bytes(shapes, islands, compression,
-                                      rank_indices, stripes)
-
-  fp32 = compression_lib.as_compression(None)
-
-  @functools.lru_cache(maxsize=None)
-  def fp32_sync_bytes(fragment: int | None) -> int:
-    if fragment is None:
-      return ddp_step_bytes
-    assignment = fragments_lib.leaf_fragments(param_shapes,
-                                              config.diloco.fragments)
-    return compression_lib.mean_bytes(
-        fragments_lib.select(param_shapes, assignment, fragment), islands,
-        fp32, None, stripes)
-
-  return ddp_step_bytes, sync_bytes, fp32_sync_bytes
 
 
 def _rank_indices(state) -> tuple[int, ...] | None:
@@ -319,9 +130,10 @@ def _throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
-def _summary(config, progress: Progress, *, num_params: int, start_step: int,
-             start_tokens: int, timings: dict, flops_per_token: float, mesh,
-             eval_loss: float, island_mean_loss: float | None,
+def _summary(config, progress: accounting.Progress, *, num_params: int,
+             start_step: int, start_tokens: int, timings: dict,
+             flops_per_token: float, mesh, eval_loss: float,
+             island_mean_loss: float | None,
              entropy_rate: float | None) -> dict:
   """The run's summary.json: what was trained, sent, measured and changed.
 
@@ -405,16 +217,6 @@ def _participants(config, islands: int):
   return participants
 
 
-def _restore_data_positions(batches, meta: dict, islands: int) -> None:
-  """Puts the data streams where the checkpoint left them, if they map."""
-  if "data" not in meta:
-    return
-  if meta["islands"] == islands or "step" in meta["data"]:
-    batches.restore(meta["data"])
-  else:  # per-island read positions do not map onto another island count
-    logging.warning("data streams restart for the new island count")
-
-
 def train_and_evaluate(config, workdir: str, devices=None,
                        launch_time: float | None = None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
@@ -438,8 +240,9 @@ def train_and_evaluate(config, workdir: str, devices=None,
 
   Raises:
     validation.ConfigError, workdir.WorkdirError, data.DataError,
-    checkpointing.IncompatibleCheckpointError (ConfigChangedError): before
-      anything is compiled or written, where they can be known then.
+    checkpointing.IncompatibleCheckpointError (resume.ConfigChangedError):
+      before anything is compiled or written, where they can be known
+      then.
     guards.NonFiniteError: NaN or inf under config.nonfinite='stop' (or
       after config.max_rollbacks rollbacks).
     stops.StopRequested: a signal stopped the run after saving.
@@ -617,20 +420,21 @@ def _train(config, workdir: str, devices, launch_time: float,
         state = jax.jit(lambda seed: spec.init(
             model_lib.new_params(config.model, seed)),
                         out_shardings=state_shardings)(config.seed)
-      return 0, {}, state, Progress(islands)
+      return 0, {}, state, accounting.Progress(islands)
     start = warm_start.load(source, spec, config, mesh, state_shardings)
     meta = start.meta
-    progress = Progress(islands, rounds_done=meta.get("rounds_done", 0),
-                        tokens_seen=meta.get("tokens_seen", 0),
-                        initialized_from=start.record(source))
+    progress = accounting.Progress(
+        islands, rounds_done=meta.get("rounds_done", 0),
+        tokens_seen=meta.get("tokens_seen", 0),
+        initialized_from=start.record(source))
     return start.step, meta, start.state, progress
 
   checkpointer = checkpointing.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
       async_save=config.checkpoint.async_save)
-  config_record = _config_record(config)  # saved with every checkpoint
-  restore = functools.partial(_restore, checkpointer, config, abstract_state,
-                              mesh, inner_opt, islands)
+  config_record = resume.config_record(config)  # saved with every checkpoint
+  restore = functools.partial(resume.restore_latest, checkpointer, config,
+                              abstract_state, mesh, inner_opt, islands)
   writer = None
   try:
     restored = restore()
@@ -653,7 +457,7 @@ def _train(config, workdir: str, devices, launch_time: float,
       with open(summary_path) as f:
         return json.load(f)
     if restored is not None:
-      progress = Progress.from_meta(meta, islands)
+      progress = accounting.Progress.from_meta(meta, islands)
     if restored is not None and "config" in meta:
       changed = config_changes.changes(meta["config"], config_record)
       if changed:
@@ -664,13 +468,15 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     # The steps compile from shapes in the background while the state is
     # initialized and the rest is set up.
-    whole_abstract = _with_shardings(abstract_state, state_shardings)
+    whole_abstract = placement.with_shardings(abstract_state, state_shardings)
     compiling = programs_lib.compile_in_background(
         config, mesh, loss_fn, inner_opt, outer_opt, compression,
         (whole_abstract if host_outer is None
          else outer_placement.strip(whole_abstract)), batch_shape,
         eval_shape, weights_shape, whole_abstract,
         num_eval_batches=len(eval_set))
+    if host_outer is not None:
+      host_outer.compile_in_background(whole_abstract)
     jax.block_until_ready(state)
     logging.info("state %s in %.1fs", "restored" if restored else "initialized",
                  time.perf_counter() - phase_start)
@@ -678,7 +484,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     if dropped:
       logging.info("dropped %d metrics records logged after step %d; they are "
                    "taken again", dropped, start_step)
-    _restore_data_positions(batches, meta, islands)
+    resume.restore_data_positions(batches, meta, islands)
     eval_arrays = [_place(b, eval_shape.sharding) for b in eval_set]
     next_batch = place_batch(batches.next_batch())
     learning_rates = optimizers.learning_rate_table(config.inner_optimizer,
@@ -700,8 +506,8 @@ def _train(config, workdir: str, devices, launch_time: float,
 
     param_shapes = abstract_state.global_params
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
-    ddp_step_bytes, sync_bytes, fp32_sync_bytes = _byte_counts(
-        config, param_shapes, islands, compression)
+    link_bytes = accounting.LinkBytes(config, param_shapes, islands,
+                                      compression)
     sync_schedule = schedule_lib.from_config(config)
 
     flops_per_token = flops.training_flops_per_token(config.model, seq_len)
@@ -710,7 +516,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
                  mode, islands, inner_steps, f"{num_params:,}",
                  islands * tokens_per_island_step,
-                 sync_bytes(_rank_indices(state)) / 1e6)
+                 link_bytes.sync(_rank_indices(state)) / 1e6)
     logging.info("placement: %s; attention: %s", _placement_line(
         mesh, islands, config), model_lib.attention_implementation(config.model))
     if host_outer is not None:
@@ -780,7 +586,7 @@ def _train(config, workdir: str, devices, launch_time: float,
         to_step, _, state, new_progress = first_state()
       else:
         to_step, meta, state = restored
-        new_progress = Progress.from_meta(meta, islands)
+        new_progress = accounting.Progress.from_meta(meta, islands)
       kept_changes = progress.config_changes
       new_progress.config_changes = kept_changes
       new_progress.rollbacks = rollbacks + [{
@@ -847,10 +653,7 @@ def _train(config, workdir: str, devices, launch_time: float,
         progress.tokens_seen += tokens_per_island_step * (
             int(synced.sum()) if config.diloco.dropped_islands == "idle"
             else islands)
-        progress.ddp_comm_bytes += ddp_step_bytes
-        if mode == "ddp":
-          progress.comm_bytes += ddp_step_bytes
-          progress.fp32_comm_bytes += ddp_step_bytes
+        link_bytes.count_step(progress)
         if step < total_steps:  # prepare the next batch while this step runs
           next_batch = place_batch(batches.next_batch())
         if pending is not None:
@@ -881,13 +684,7 @@ def _train(config, workdir: str, devices, launch_time: float,
           state = _run_sync_actions(
               actions, state, programs if host_outer is None else host_outer,
               weights)
-          # Per island, as everywhere: the islands not synced send nothing
-          # (in this SPMD program they send zeros).
-          for action in actions:
-            if action.kind in (schedule_lib.OUTER, schedule_lib.SEND):
-              progress.comm_bytes += (sync_bytes(rank_indices, action.fragment)
-                                      * sending // islands)
-              progress.fp32_comm_bytes += fp32_sync_bytes(action.fragment)
+          link_bytes.count_syncs(progress, actions, rank_indices, sending)
         if round_ended:
           progress.rounds_done += 1
           progress.island_round_steps[:] = 0

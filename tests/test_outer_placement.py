@@ -14,6 +14,7 @@ from configs import tiny
 from diloco_jax import diloco
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import outer_placement
+from diloco_jax import placement
 from diloco_jax import train
 from diloco_jax import validation
 from tests import helpers
@@ -43,6 +44,11 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                  inner_opt=inner_opt, overlap=overlap)
   host = outer_placement.HostOuter(outer_devices, islands, mesh, outer_opt,
                                    compression, inner_opt, overlap=overlap)
+  precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
+  if precompiled:
+    host.compile_in_background(placement.with_shardings(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     host_state), shardings))
   on_host = host.load(jax.device_put(host_state, shardings))
   stripped = outer_placement.strip(on_device)
   stripped_shardings = diloco.state_shardings(stripped, mesh)
@@ -64,6 +70,8 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
   for a, b in zip(jax.tree.leaves(jax.device_get(on_device)),
                   jax.tree.leaves(jax.device_get(whole))):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # The programs compiled from shapes took the arrays the loop passes.
+  assert isinstance(host._send, jax.stages.Compiled) == precompiled  # pylint: disable=protected-access
   # The outer side lives on the outer device only.
   for leaf in jax.tree.leaves(host.outer_state):
     assert leaf.sharding.device_set == {outer_devices[0]}

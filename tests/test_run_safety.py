@@ -27,6 +27,7 @@ from diloco_jax import checkpointing
 from diloco_jax import config_changes
 from diloco_jax import guards
 from diloco_jax import integrity
+from diloco_jax import resume
 from diloco_jax import train
 from diloco_jax import validation
 from diloco_jax import workdir as workdir_lib
@@ -399,7 +400,7 @@ def finished_8(tmp_path_factory):
 
 def test_resume_refuses_changes_of_meaning_naming_both_values(finished_8):
   before = sorted(os.listdir(os.path.join(finished_8, "checkpoints")))
-  with pytest.raises(train.ConfigChangedError) as error:
+  with pytest.raises(resume.ConfigChangedError) as error:
     train.train_and_evaluate(_config(**{"total_steps": 16,
                                         "diloco.codec": "int8"}), finished_8)
   message = str(error.value)
@@ -429,7 +430,7 @@ def test_a_checkpoint_of_another_mode_is_never_resumed_in_place(
   workdir = str(tmp_path / saved_mode)
   train.train_and_evaluate(_config(mode=saved_mode, total_steps=4), workdir)
   os.remove(os.path.join(workdir, "summary.json"))
-  with pytest.raises(train.ConfigChangedError,
+  with pytest.raises(resume.ConfigChangedError,
                      match=rf"written by a '{saved_mode}' run; a checkpoint "
                      rf"of another mode cannot be resumed as config.mode="
                      rf"'{mode}' in place.*--config.init_from=(\S+)$") as error:

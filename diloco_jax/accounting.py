@@ -1,0 +1,125 @@
+"""What a run counts as it goes: rounds, tokens and bytes over the link.
+
+`Progress` holds the counters a checkpoint saves with the state.
+`LinkBytes` says what one island sends over the island link for each thing
+the run does (a DDP step, a DiLoCo sync of the whole model or of one
+Streaming DiLoCo fragment, through the codec) and adds it to a Progress.
+"""
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from diloco_jax import communication
+from diloco_jax import compression as compression_lib
+from diloco_jax import fragments as fragments_lib
+from diloco_jax import schedule as schedule_lib
+
+
+@dataclasses.dataclass
+class Progress:
+  """The run's counters, saved with each checkpoint and restored with it.
+
+  A restart may change the island count, so per-island progress is cut or
+  padded to the islands there are now.
+  """
+  islands: int
+  rounds_done: int = 0
+  tokens_seen: int = 0
+  comm_bytes: int = 0  # what one island has sent
+  ddp_comm_bytes: int = 0  # what DDP would have sent for the same steps
+  fp32_comm_bytes: int = 0  # what the syncs would have sent uncompressed
+  island_round_steps: np.ndarray = None  # steps since each island's last sync
+  config_changes: list = dataclasses.field(default_factory=list)
+  rollbacks: list = dataclasses.field(default_factory=list)
+  initialized_from: dict | None = None  # warm_start.WarmStart.record
+
+  def __post_init__(self):
+    steps = np.zeros(self.islands, np.int64)
+    saved = list([] if self.island_round_steps is None
+                 else self.island_round_steps)[:self.islands]
+    steps[:len(saved)] = saved
+    self.island_round_steps = steps
+
+  @classmethod
+  def from_meta(cls, meta: dict, islands: int) -> "Progress":
+    names = {f.name for f in dataclasses.fields(cls)} - {"islands"}
+    return cls(islands, **{k: v for k, v in meta.items() if k in names})
+
+  def to_meta(self) -> dict:
+    record = dataclasses.asdict(self)
+    record["island_round_steps"] = self.island_round_steps.tolist()
+    return record
+
+
+class LinkBytes:
+  """Bytes one island sends over the island link.
+
+  DDP all-reduces float32 gradients every step; DiLoCo sends
+  pseudo-gradients through the codec (at the round's low-rank ranks, or
+  none for codecs without ranks), of every param or of one Streaming
+  DiLoCo fragment; with FSDP each device of an island sends its own
+  shards' part.
+  """
+
+  def __init__(self, config, param_shapes, islands: int, compression):
+    self._mode = config.mode
+    self._islands = islands
+    self._param_shapes = param_shapes
+    self._compression = compression
+    self._fragments = config.diloco.fragments
+    self._stripes = config.mesh.data if config.mesh.fsdp else 1
+    self.ddp_step = communication.island_mean_bytes(
+        param_shapes, islands, stripes=self._stripes)
+
+  @functools.lru_cache(maxsize=None)  # few rank patterns recur
+  def sync(self, rank_indices: tuple[int, ...] | None,
+           fragment: int | None = None) -> int:
+    """One sync through the codec: all params, or fragment `fragment`."""
+    if self._mode != "diloco":
+      return self.ddp_step
+    shapes = self._param_shapes
+    if fragment is not None:
+      assignment = fragments_lib.leaf_fragments(self._param_shapes,
+                                                self._fragments)
+      shapes = fragments_lib.select(self._param_shapes, assignment, fragment)
+      if rank_indices is not None:
+        rank_indices = tuple(rank_indices[i] for i in
+                             fragments_lib.codec_positions(
+                                 self._param_shapes, self._compression,
+                                 assignment, fragment))
+    return compression_lib.mean_bytes(shapes, self._islands,
+                                      self._compression, rank_indices,
+                                      self._stripes)
+
+  @functools.lru_cache(maxsize=None)
+  def fp32_sync(self, fragment: int | None) -> int:
+    """The same sync in float32 (what the codec is measured against)."""
+    if fragment is None:
+      return self.ddp_step
+    assignment = fragments_lib.leaf_fragments(self._param_shapes,
+                                              self._fragments)
+    return compression_lib.mean_bytes(
+        fragments_lib.select(self._param_shapes, assignment, fragment),
+        self._islands, compression_lib.as_compression(None), None,
+        self._stripes)
+
+  def count_step(self, progress: Progress) -> None:
+    """An inner step: DDP's gradient all-reduce (what DDP would send, for
+    every mode; what ddp does send)."""
+    progress.ddp_comm_bytes += self.ddp_step
+    if self._mode == "ddp":
+      progress.comm_bytes += self.ddp_step
+      progress.fp32_comm_bytes += self.ddp_step
+
+  def count_syncs(self, progress: Progress, actions,
+                  rank_indices: tuple[int, ...] | None, sending: int) -> None:
+    """The schedule's `actions` after a step, of which `sending` islands
+    took part. Per island, as everywhere: an island that does not take
+    part sends nothing (in the SPMD program it sends zeros)."""
+    for action in actions:
+      if action.kind in (schedule_lib.OUTER, schedule_lib.SEND):
+        progress.comm_bytes += (self.sync(rank_indices, action.fragment)
+                                * sending // self._islands)
+        progress.fp32_comm_bytes += self.fp32_sync(action.fragment)

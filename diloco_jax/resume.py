@@ -1,0 +1,130 @@
+"""Resuming a run: its newest readable checkpoint, checked against the
+config, at the island count there is now, and its data streams' positions.
+
+A checkpoint written under a config that changes the run's meaning is
+refused (ConfigChangedError) unless config.resume.allow_changes names the
+changes, before any array is read; one of another model or state layout
+can never be resumed in place.
+"""
+
+import json
+
+import jax
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax import checkpointing
+from diloco_jax import config_changes
+from diloco_jax import diloco
+from diloco_jax import placement
+
+
+class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
+  """Resuming under a config that changes the run's meaning, not allowed."""
+
+
+def refuse_config_changes(path: str, meta: dict, config) -> None:
+  """Raises ConfigChangedError for changes resume.allow_changes lacks.
+
+  Args:
+    path: the checkpoint's directory (WORKDIR/checkpoints/STEP).
+  """
+  where = f"checkpoint {path}"
+  if "config" not in meta:
+    return
+  refused = config_changes.refused(
+      config_changes.changes(meta["config"], config_record(config)),
+      config.resume.allow_changes)
+  if any(c["field"] in config_changes.NEVER_ALLOWED for c in refused):
+    raise ConfigChangedError(
+        f"{where} was written by a {meta['config']['mode']!r} run; a "
+        f"checkpoint of another mode cannot be resumed as config.mode="
+        f"{config.mode!r} in place (ddp and single runs never update the "
+        "global params that every island would start from); to start from "
+        f"its model, use another --workdir with --config.init_from={path}")
+  if refused:
+    names = ",".join(c["field"] for c in refused)
+    raise ConfigChangedError(
+        f"{where} was written with another config: "
+        f"{config_changes.describe(refused)}; rerun with the checkpoint's "
+        f"values, use another workdir, or allow the change with "
+        f"--config.resume.allow_changes={names}")
+
+
+def config_record(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
+             islands: int, compare_config: bool = True):
+  """Restores the newest readable checkpoint, adapting the island count.
+
+  Returns:
+    (step, meta, state), or None when there is no checkpoint.
+
+  Raises:
+    checkpointing.IncompatibleCheckpointError: the checkpoint was written for
+      a model of another shape, or (ConfigChangedError) with a config whose
+      meaning differs, when compare_config (checked before any array is
+      read).
+  """
+  current_shapes = checkpointing.param_shapes_record(
+      abstract_state.global_params)
+  current_layout = checkpointing.state_layout_record(abstract_state)
+  target_shardings = diloco.state_shardings(abstract_state, mesh,
+                                           config.mesh.fsdp)
+
+  def restore(step, meta):
+    path = f"{checkpointer.directory}/{step}"
+    where = f"checkpoint {path}"
+    if compare_config:
+      refuse_config_changes(path, meta, config)
+    mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
+                                            current_shapes)
+    if mismatch:
+      raise checkpointing.IncompatibleCheckpointError(
+          f"{where} was written for another model: {mismatch} "
+          "(config.model differs)")
+    mismatch = checkpointing.layout_mismatch(meta["state_layout"],
+                                             current_layout)
+    if mismatch:
+      raise checkpointing.IncompatibleCheckpointError(
+          f"{where} has another state layout: {mismatch} (config.diloco."
+          "outer_optimizer, config.inner_optimizer, config.diloco.codec "
+          "settings, config.diloco.error_feedback or config.diloco.overlap "
+          "differ)")
+    saved_islands = meta["islands"]
+    checksums = meta.get(checkpointing.CHECKSUMS)
+    if saved_islands == islands:
+      return checkpointer.restore_state(
+          step, placement.with_shardings(abstract_state, target_shardings),
+          checksums)
+    # Read at the saved island count, replicated, then resize and reshard.
+    saved_abstract = jax.eval_shape(
+        lambda s: diloco.resize_islands(s, saved_islands, inner_opt),
+        abstract_state)
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
+                              saved_abstract)
+    saved = checkpointer.restore_state(
+        step, placement.with_shardings(saved_abstract, replicated), checksums)
+    logging.warning(
+        "resuming with %d islands from a checkpoint of %d: %s", islands,
+        saved_islands,
+        f"islands {islands}..{saved_islands - 1} are dropped with their "
+        "progress since the last outer step" if islands < saved_islands else
+        f"islands {saved_islands}..{islands - 1} start from the global params"
+        " with fresh inner optimizer state")
+    return jax.jit(lambda s: diloco.resize_islands(s, islands, inner_opt),
+                   out_shardings=target_shardings)(saved)
+
+  return checkpointer.latest_readable(restore)
+
+
+def restore_data_positions(batches, meta: dict, islands: int) -> None:
+  """Puts the data streams where the checkpoint left them, if they map."""
+  if "data" not in meta:
+    return
+  if meta["islands"] == islands or "step" in meta["data"]:
+    batches.restore(meta["data"])
+  else:  # per-island read positions do not map onto another island count
+    logging.warning("data streams restart for the new island count")
