@@ -7,11 +7,18 @@ each process holds several (folded) islands; with an island's 'data' or
 island. A process reads the data of its own islands only.
 
 Host-side values that differ between processes (an island's loss, a data
-stream's position) are gathered here, with collectives over every process,
-so that every process takes the same decisions (stop, roll back) and
-process 0 can write the whole run's metrics and checkpoint metadata.
+stream's position, a stop request) are exchanged here every step, so that
+every process takes the same decisions (stop, roll back) and process 0 can
+write the whole run's metrics and checkpoint metadata. They go through
+jax.distributed's key-value store (the coordinator), from the host, not
+through device collectives: a collective runs in a device's stream, so
+each inner step would wait behind a cross-island round trip, and on a
+link busy with a sync in flight (one-step delay) behind its queue. From
+the host, the round trip overlaps the inner step already dispatched.
 """
 
+import io
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -19,8 +26,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax._src import distributed
 
 # The launcher (diloco_jax.launch) and users set these, as JAX reads
 # JAX_COORDINATOR_ADDRESS itself.
@@ -30,6 +36,10 @@ COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
 # A process that stops sending heartbeats is declared dead after this long,
 # and the others fail instead of waiting in a collective for it.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+# How long an exchange waits for the other processes' values (a process
+# still compiling or saving a checkpoint is slow, not dead: a dead one is
+# reported by the heartbeats first).
+EXCHANGE_TIMEOUT_MS = 60 * 60 * 1000
 
 
 def process_count_hint(num_processes: int | None = None) -> int:
@@ -130,89 +140,120 @@ def global_batch(local_batch: np.ndarray, sharding, global_shape
                                                 tuple(global_shape))
 
 
+def _encode(arrays: Mapping[str, np.ndarray]) -> bytes:
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  return buffer.getvalue()
+
+
+def _decode(payload: bytes) -> dict[str, np.ndarray]:
+  with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
+    return {name: arrays[name] for name in arrays.files}
+
+
+# Exchanges are numbered in the order a process makes them; every process
+# makes the same ones in the same order (SPMD), so the n-th of each meet.
+_exchange_numbers = itertools.count()
+# A process's posts are kept in blocks of this many, deleted a block at a
+# time (one request; every request crosses the link).
+_BLOCK = 64
+
+
+def _post_key(process: int, number: int) -> str:
+  return f"{_block_dir(process, number // _BLOCK)}{number}"
+
+
+def _block_dir(process: int, block: int) -> str:
+  return f"diloco_jax/exchange/{process}/{block}/"
+
+
+def exchange(arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+  """Every process's `arrays`, in process order (every process calls this
+  at the same point of the program).
+
+  Through the coordinator's key-value store: a process posts its own and
+  reads the others', one request each. Once it has read everyone's n-th
+  post, every process has posted its n-th, so has read every (n-1)-th:
+  a process deletes its own posts a block at a time, two blocks behind.
+  """
+  if jax.process_count() == 1:
+    return [dict(arrays)]
+  client = distributed.global_state.client
+  number = next(_exchange_numbers)
+  me = jax.process_index()
+  client.key_value_set_bytes(_post_key(me, number), _encode(arrays))
+  posts = [dict(arrays) if p == me else _decode(
+      client.blocking_key_value_get_bytes(_post_key(p, number),
+                                          EXCHANGE_TIMEOUT_MS))
+           for p in range(jax.process_count())]
+  if number % _BLOCK == 0 and number >= 2 * _BLOCK:
+    client.key_value_delete(_block_dir(me, number // _BLOCK - 2))
+  return posts
+
+
 def fetch(tree):
   """device_get for arrays that may span other processes' devices.
 
-  Single-process (and fully replicated) arrays are fetched directly; the
-  others are gathered from every process, all in one collective (every
-  process must call this at the same point).
+  Single-process (and fully replicated) arrays are fetched directly; every
+  process's shards of the others come in one exchange (every process must
+  call this at the same point).
   """
+  return fetch_and_any(tree, False)[0]
+
+
+def fetch_and_any(tree, flag: bool):
+  """(fetch(tree), any_process(flag)) in one exchange: one round trip per
+  step for a step's metrics and the stop requests."""
   leaves, treedef = jax.tree.flatten(tree)
   spread = [i for i, x in enumerate(leaves)
             if isinstance(x, jax.Array) and not x.is_fully_addressable
             and not x.is_fully_replicated]
   fetched = jax.device_get([x for i, x in enumerate(leaves)
                             if i not in spread])
-  gathered = (multihost_utils.process_allgather(
-      [leaves[i] for i in spread], tiled=True) if spread else [])
+  mine = {"flag": np.array(flag, np.bool_)}
+  for j, i in enumerate(spread):
+    x = leaves[i]
+    for m, shard in enumerate(x.addressable_shards):
+      mine[f"{j}.{m}.data"] = np.asarray(shard.data)
+      mine[f"{j}.{m}.index"] = np.array(
+          [(part.start or 0, size if part.stop is None else part.stop)
+           for part, size in zip(shard.index, x.shape)],
+          np.int64).reshape(-1, 2)
+  gathered = [np.empty(leaves[i].shape, leaves[i].dtype) for i in spread]
+  posts = exchange(mine) if spread or jax.process_count() > 1 else [mine]
+  for post in posts:
+    for name, data in post.items():
+      if name.endswith(".data"):
+        j, m, _ = name.split(".")
+        index = post[f"{j}.{m}.index"]
+        gathered[int(j)][tuple(slice(a, b) for a, b in index)] = data
   local, remote = iter(fetched), iter(gathered)
-  return treedef.unflatten([np.asarray(next(remote)) if i in spread
-                            else next(local) for i in range(len(leaves))])
-
-
-def _process_mesh() -> Mesh:
-  """A mesh of one device per process: each process's first device.
-
-  The small host-value gathers run there and nowhere else. jax's own
-  process_allgather spans every device, the outer device of
-  config.diloco.outer_placement='host' (each process's LAST CPU device)
-  included, so a gather each step would queue behind the collective in
-  flight there and stall the islands until it lands.
-  """
-  first = {}
-  for device in jax.devices():
-    first.setdefault(device.process_index, device)
-  return Mesh(np.array([first[p] for p in sorted(first)]), ("processes",))
-
-
-def _identity(x):
-  return x
-
-
-def process_allgather(value) -> np.ndarray:
-  """[processes, *shape]: every process's numpy `value`, stacked in
-  process order (a collective: every process calls it at the same point
-  with the same shape and dtype)."""
-  value = np.asarray(value)
-  if jax.process_count() == 1:
-    return value[None]
-  mesh = _process_mesh()
-  local = next(d for d in mesh.devices.flat
-               if d.process_index == jax.process_index())
-  spread = jax.make_array_from_single_device_arrays(
-      (mesh.size,) + value.shape, NamedSharding(mesh, P("processes")),
-      [jax.device_put(value[None], local)])
-  gathered = jax.jit(_identity, out_shardings=NamedSharding(mesh, P()))(
-      spread)
-  return np.asarray(gathered.addressable_data(0))
+  values = treedef.unflatten([next(remote) if i in spread else next(local)
+                              for i in range(len(leaves))])
+  return values, any(bool(post["flag"]) for post in posts)
 
 
 def any_process(flag: bool) -> bool:
-  """Whether `flag` is set on any process (a collective when several).
+  """Whether `flag` is set on any process (an exchange when several).
 
   A signal reaches the processes of a run at slightly different steps;
   deciding together makes every process stop at the same step.
   """
   if jax.process_count() == 1:
     return bool(flag)
-  return bool(np.any(process_allgather(np.array([flag], np.bool_))))
+  return any(bool(post["flag"]) for post in exchange(
+      {"flag": np.array(flag, np.bool_)}))
 
 
 def gather_json(value) -> list:
-  """Every process's JSON-serializable `value`, in process order.
-
-  One process: [value]. Otherwise two small collectives (the lengths, then
-  the padded bytes); every process must call this at the same point.
+  """Every process's JSON-serializable `value`, in process order (an
+  exchange when several; every process must call this at the same point).
   """
   if jax.process_count() == 1:
     return [value]
   payload = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-  lengths = process_allgather(np.array(payload.size, np.int32))
-  padded = np.zeros(int(np.max(lengths)), np.uint8)
-  padded[:payload.size] = payload
-  gathered = process_allgather(padded)
-  return [json.loads(bytes(row[:int(n)]).decode())
-          for row, n in zip(gathered, lengths)]
+  return [json.loads(post["json"].tobytes().decode())
+          for post in exchange({"json": payload})]
 
 
 def merge_island_states(state: Mapping, islands: range,

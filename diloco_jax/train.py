@@ -547,7 +547,10 @@ def _train(config, workdir: str, devices, launch_time: float,
       outer step (it excludes them and restarts them from x); the record
       then averages the finite islands and counts the others.
       """
-      step_metrics = multihost.fetch(step_metrics)
+      nonlocal stop_agreed
+      # One exchange per step carries the metrics and the stop requests.
+      step_metrics, stop_agreed = multihost.fetch_and_any(step_metrics,
+                                                          signals.requested)
       losses = np.atleast_1d(step_metrics["loss"])
       norms = np.atleast_1d(step_metrics["grad_norm"])
       finite = np.isfinite(losses) & np.isfinite(norms)
@@ -613,11 +616,17 @@ def _train(config, workdir: str, devices, launch_time: float,
     writer.start_clock(progress.tokens_seen)
     train_start = time.perf_counter()
     pending = None  # the previous step's record, finished one step late
+    # Whether a process was asked to stop, as the processes agreed in the
+    # last exchange since the loop's last check (None: none since).
+    stop_agreed = None
     eval_loss = float("nan")
     startup_s = None
     step = start_step
     while step < total_steps:
-      if multihost.any_process(signals.requested):
+      if stop_agreed is None:
+        stop_agreed = multihost.any_process(signals.requested)
+      stop, stop_agreed = stop_agreed, None
+      if stop:
         if pending is not None:
           finish_record(*pending)
         # A checkpoint never holds a diverged island's NaN: mid-round, the
