@@ -44,8 +44,9 @@ Per run the table gives:
     rx_bytes is recorded in the JSON. comm MB: summary comm_bytes (what one
     island's syncs sent by the run's own count). ratio: link / comm.
 
-A model sized for 2 CPU cores: 2 layers, d_model 256 (1.7M params, a
-6.8 MB fp32 sync); --model_flags replaces those overrides.
+A model sized for 2 CPU cores: 2 layers, d_model 256 (2.16M params, an
+8.66 MB fp32 sync); --model_flags replaces those overrides. Results and
+what they show: docs/shaped_links.md.
 """
 
 import ctypes
