@@ -220,7 +220,7 @@ def fetch_and_any(tree, flag: bool):
            for part, size in zip(shard.index, x.shape)],
           np.int64).reshape(-1, 2)
   gathered = [np.empty(leaves[i].shape, leaves[i].dtype) for i in spread]
-  posts = exchange(mine) if spread or jax.process_count() > 1 else [mine]
+  posts = exchange(mine)
   for post in posts:
     for name, data in post.items():
       if name.endswith(".data"):
@@ -239,10 +239,7 @@ def any_process(flag: bool) -> bool:
   A signal reaches the processes of a run at slightly different steps;
   deciding together makes every process stop at the same step.
   """
-  if jax.process_count() == 1:
-    return bool(flag)
-  return any(bool(post["flag"]) for post in exchange(
-      {"flag": np.array(flag, np.bool_)}))
+  return fetch_and_any((), flag)[1]
 
 
 def gather_json(value) -> list:
