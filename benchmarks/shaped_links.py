@@ -1,7 +1,8 @@
 r"""DiLoCo variants over a real, rate-limited link between processes (root).
 
   sudo .venv/bin/python benchmarks/shaped_links.py \
-      [--bandwidths_mbit=1000,100] [--modes=ddp,diloco,overlap_host,streaming] \
+      [--bandwidths_mbit=1000,100] \
+      [--modes=ddp,diloco,overlap_host,streaming_host] \
       [--codecs=fp32,int8] [--steps=60] [--ddp_steps=30] [--inner_steps=10]
       [--out=res.json]
 
@@ -23,10 +24,11 @@ script creates (namespaces, veths, bridge, /etc/netns entries) is removed
 at the end, also on an error, Ctrl-C or SIGTERM.
 
 Per run the table gives:
-  * round s: the steady-state wall-clock per round (ddp: per H steps, as
-    ddp evaluates every H steps), from metrics.jsonl's elapsed_s at the
-    round ends: the mean of rounds 2 .. R-1 (round 1 holds warm-up, the
-    last one the end-of-run syncs); train_s / rounds with fewer than 3.
+  * round s: the steady-state wall-clock per round (ddp: per H steps),
+    from metrics.jsonl's elapsed_s at the round ends: the mean of rounds
+    2 .. R-1 (round 1 holds warm-up, the last one the end-of-run syncs);
+    train_s / rounds with fewer than 3. Runs evaluate at their last step
+    only (config.eval.every_rounds=0): the rounds time training and syncs.
   * util: compute utilization in that steady state, H x inner-step time /
     round s, where the inner-step time is the steady round / H of a
     reference run: diloco fp32, overlap none, in the same namespaces with
@@ -71,9 +73,10 @@ _PROCESSES = flags.DEFINE_integer("processes", 2,
 _BANDWIDTHS = flags.DEFINE_list("bandwidths_mbit", ["1000", "100", "10"],
                                 "Link rates to measure, Mbit/s.")
 _MODES = flags.DEFINE_list(
-    "modes", ["ddp", "diloco", "overlap_host", "streaming"],
+    "modes", ["ddp", "diloco", "overlap_host", "streaming_host"],
     "ddp | diloco (overlap none) | overlap_host (one_step_delay, outer step "
-    "on a host device) | streaming (fragments/fragment_delay).")
+    "on a host device) | streaming (fragments/fragment_delay, on the "
+    "compute devices) | streaming_host (the same, sends on a host device).")
 _CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
                             "config.diloco.codec values (ddp: fp32 only; it "
                             "all-reduces fp32 gradients whatever the codec).")
@@ -91,8 +94,9 @@ _MODEL_FLAGS = flags.DEFINE_list(
      "--config.model.num_heads=4", "--config.model.head_dim=64",
      "--config.model.mlp_dim=1024", "--config.data.batch_size=8",
      "--config.inner_optimizer.warmup_steps=5",
-     "--config.eval.batch_size=8", "--config.eval.num_batches=1"],
-    "Overrides of the base config that size the model and batch.")
+     "--config.eval.batch_size=8", "--config.eval.num_batches=1",
+     "--config.eval.every_rounds=0"],
+    "Overrides of the base config: the model, the batch, the evaluation.")
 _EXTRA = flags.DEFINE_list("extra_flags", [], "More diloco_jax.main flags.")
 _REFERENCE = flags.DEFINE_bool(
     "reference", True, "Run the unshaped reference run (for util and the "
@@ -294,9 +298,11 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
   if mode == "overlap_host":
     f += ["--config.diloco.overlap=one_step_delay",
           "--config.diloco.outer_placement=host"]
-  elif mode == "streaming":
+  elif mode in ("streaming", "streaming_host"):
     f += [f"--config.diloco.fragments={_FRAGMENTS.value}",
           f"--config.diloco.fragment_delay={_DELAY.value}"]
+    if mode == "streaming_host":
+      f.append("--config.diloco.outer_placement=host")
   elif mode != "diloco":
     raise app.UsageError(f"unknown mode {mode}")
   return f

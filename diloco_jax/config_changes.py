@@ -24,7 +24,8 @@ NEVER_ALLOWED = ("mode",)
 FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
                "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
                "resume", "diloco.islands", "diloco.outer_placement",
-               "network", "eval.island_mean")
+               "network", "eval.island_mean",
+               "eval.every_rounds")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -166,6 +166,11 @@ def base_config() -> ml_collections.ConfigDict:
   # over the island link per round, beyond what the algorithm sends, so it
   # is off unless asked for.
   c.eval.island_mean = False
+  # Evaluate at the end of every N-th round and at the last step; 0: at the
+  # last step only. Each evaluation waits for the devices it runs on (and,
+  # for Streaming DiLoCo with outer_placement='host', for the fragments in
+  # flight), so overlap benchmarks evaluate rarely.
+  c.eval.every_rounds = 1
   # ddp/single have no rounds; they evaluate every diloco.inner_steps steps so
   # their curves line up with DiLoCo's rounds.
 

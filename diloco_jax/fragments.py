@@ -17,7 +17,7 @@ With one fragment, tau = 0 and alpha = 0 this is DiLoCo's outer step. The
 host-side order of sends and merges is schedule.py's.
 """
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,69 +106,126 @@ def init_outer_states(params, outer_opt: optax.GradientTransformation,
                for f in range(num_fragments))
 
 
+class FragmentParts(NamedTuple):
+  """The outer side's share of one fragment: its leaves of x, its outer
+  optimizer state, its leaves of the residuals (or None) and its entries of
+  the codec state (or None)."""
+  x: list
+  outer_opt_state: Any
+  residuals: list | None
+  codec_state: tuple | None
+
+
+def fragment_parts(state: diloco.TrainState, assignment: Sequence[int],
+                   positions: Sequence[int], fragment: int) -> FragmentParts:
+  """`fragment`'s parts of `state` (a TrainState of arrays, abstract arrays
+  or shardings); `positions` from codec_positions."""
+  codec_state = (None if state.codec_state is None
+                 else tuple(state.codec_state[i] for i in positions))
+  return FragmentParts(
+      select(state.global_params, assignment, fragment),
+      state.outer_opt_state[fragment],
+      (None if state.residuals is None
+       else select(state.residuals, assignment, fragment)),
+      codec_state)
+
+
+def with_fragment_parts(state: diloco.TrainState, assignment: Sequence[int],
+                        positions: Sequence[int], fragment: int,
+                        parts: FragmentParts) -> diloco.TrainState:
+  """`state` with `fragment`'s parts replaced by `parts`."""
+  outer_states = list(state.outer_opt_state)
+  outer_states[fragment] = parts.outer_opt_state
+  codec_state = state.codec_state
+  if codec_state is not None:
+    codec_state = list(codec_state)
+    for i, entry in zip(positions, parts.codec_state):
+      codec_state[i] = entry
+    codec_state = tuple(codec_state)
+  return state.replace(
+      global_params=replace(state.global_params, assignment, fragment,
+                            parts.x),
+      outer_opt_state=tuple(outer_states),
+      residuals=(None if state.residuals is None else replace(
+          state.residuals, assignment, fragment, parts.residuals)),
+      codec_state=codec_state)
+
+
+def make_send_parts(outer_opt: optax.GradientTransformation, sync):
+  """send(parts, island_leaves, weights, send_index) -> parts (traceable):
+  the core of a fragment's send wherever it runs.
+
+  `island_leaves` are the fragment's leaves of every island's params
+  (stacked along the island axis); `sync` is diloco.make_island_sync's.
+  The pseudo-gradients go through the codec (the fragment's residuals and
+  codec state only) and the outer optimizer steps x with the weighted mean;
+  islands with weight 0 or a non-finite pseudo-gradient are left out, and a
+  send in which none takes part changes nothing.
+  """
+
+  def send(parts: FragmentParts, island_leaves, weights, send_index):
+    mean, residuals, codec_state, included, _ = sync(
+        parts.x, island_leaves, parts.residuals, parts.codec_state, weights,
+        send_index)
+    anyone = jnp.any(included)
+    keep_unless_anyone = lambda new, old: jax.tree.map(
+        lambda n, o: jnp.where(anyone, n, o), new, old)
+    updates, outer_state = outer_opt.update(mean, parts.outer_opt_state,
+                                            parts.x)
+    return FragmentParts(
+        keep_unless_anyone(optax.apply_updates(parts.x, updates), parts.x),
+        keep_unless_anyone(outer_state, parts.outer_opt_state),
+        residuals,  # an island left out keeps its own (make_island_sync)
+        (None if codec_state is None
+         else keep_unless_anyone(codec_state, parts.codec_state)))
+
+  return send
+
+
 def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
                        num_fragments: int, fragment: int, compression=None,
                        rounding_seed: int | None = None, fsdp: bool = False):
-  """Builds send(state, weights) -> state for one fragment (jitted; `state`
-  is donated).
-
-  The fragment's pseudo-gradients go through the codec (residuals and
-  codec state of its leaves only) and the outer optimizer steps its x with
-  the weighted mean; islands with weight 0 or a non-finite pseudo-gradient
-  are left out, and a round in which none takes part changes nothing. The
-  islands' params are untouched: make_fragment_merge folds x in later.
+  """Builds send(state, weights) -> state for one fragment on the compute
+  devices (jitted; `state` is donated): make_send_parts over the state's
+  fragment. The islands' params are untouched: make_fragment_merge folds x
+  in later.
   """
   compression = compression_lib.as_compression(compression)
-  sync = diloco.make_island_sync(mesh, compression, rounding_seed, fsdp)
+  send_parts = make_send_parts(
+      outer_opt, diloco.make_island_sync(mesh, compression, rounding_seed,
+                                         fsdp))
 
   def send(state: diloco.TrainState, weights: jax.Array):
     assignment = leaf_fragments(state.global_params, num_fragments)
-    part = lambda tree: (None if tree is None
-                         else select(tree, assignment, fragment))
     positions = codec_positions(state.global_params, compression,
-                                 assignment, fragment)
-    codec_state = (None if state.codec_state is None
-                   else tuple(state.codec_state[i] for i in positions))
+                                assignment, fragment)
     # Each send of each fragment draws its own rounding noise.
-    send_index = state.step * num_fragments + fragment
-    mean, residuals, codec_state, included, _ = sync(
-        part(state.global_params), part(state.island_params),
-        part(state.residuals), codec_state, weights, send_index)
-    anyone = jnp.any(included)
-    x = part(state.global_params)
-    updates, outer_state = outer_opt.update(
-        mean, state.outer_opt_state[fragment], x)
-    keep_unless_anyone = lambda new, old: jax.tree.map(
-        lambda n, o: jnp.where(anyone, n, o), new, old)
-    x = keep_unless_anyone(optax.apply_updates(x, updates), x)
-    outer_state = keep_unless_anyone(outer_state,
-                                     state.outer_opt_state[fragment])
-    outer_states = list(state.outer_opt_state)
-    outer_states[fragment] = outer_state
-    new_codec_state = state.codec_state
-    if codec_state is not None:
-      new_codec_state = list(state.codec_state)
-      for i, entry in zip(positions, keep_unless_anyone(
-          codec_state, tuple(state.codec_state[i] for i in positions))):
-        new_codec_state[i] = entry
-      new_codec_state = tuple(new_codec_state)
-    state = state.replace(
-        global_params=replace(state.global_params, assignment, fragment, x),
-        outer_opt_state=tuple(outer_states),
-        residuals=(None if residuals is None else replace(
-            state.residuals, assignment, fragment, residuals)),
-        codec_state=new_codec_state)
+    parts = send_parts(
+        fragment_parts(state, assignment, positions, fragment),
+        select(state.island_params, assignment, fragment), weights,
+        send_index(state.step, num_fragments, fragment))
+    state = with_fragment_parts(state, assignment, positions, fragment, parts)
     return placement.constrain(state, diloco.state_shardings(state, mesh,
                                                              fsdp))
 
   return jax.jit(send, donate_argnums=0)
 
 
+def send_index(step, num_fragments: int, fragment: int):
+  """The count of sends before this one, had every fragment sent at every
+  step: seeds the send's stochastic rounding, distinct per send."""
+  return step * num_fragments + fragment
+
+
 def make_fragment_merge(mesh, num_fragments: int, fragment: int,
                         alpha: float, fsdp: bool = False,
                         inner_opt: optax.GradientTransformation | None = None):
-  """Builds merge(state) -> state for one fragment (jitted; `state` is
-  donated): every island's fragment becomes alpha * y + (1 - alpha) * x.
+  """Builds merge(state, x=None) -> state for one fragment (jitted; `state`
+  is donated): every island's fragment becomes alpha * y + (1 - alpha) * x.
+
+  `x`: the fragment's leaves of x, where the outer side keeps x elsewhere
+  (outer_placement='host'); they replace the state's copy first. Without
+  it the state's own global params are x.
 
   An island whose fragment is not finite (it diverged) takes x as it is;
   given `inner_opt`, an island whose params are all finite again after the
@@ -176,8 +233,11 @@ def make_fragment_merge(mesh, num_fragments: int, fragment: int,
   counted from the current step.
   """
 
-  def merge(state: diloco.TrainState):
+  def merge(state: diloco.TrainState, x=None):
     assignment = leaf_fragments(state.global_params, num_fragments)
+    if x is not None:
+      state = state.replace(global_params=replace(
+          state.global_params, assignment, fragment, x))
     x = select(state.global_params, assignment, fragment)
     y = select(state.island_params, assignment, fragment)
     islands = diloco.num_islands(state)

@@ -486,9 +486,15 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
   """The workload and link of a run's config (config_schema.base_config).
 
   Reads config.mode, config.diloco.{islands, inner_steps, codec} and the
-  codec's settings, and config.diloco.{overlap, fragments, fragment_delay}
-  with defaults ('none', 1, 0) where the config has no such field. With
-  FSDP every device of an island sends its shards' part, as the runs count.
+  codec's settings, and config.diloco.{overlap, fragments, fragment_delay,
+  outer_placement} with defaults ('none', 1, 0, 'device') where the config
+  has no such field. With FSDP every device of an island sends its shards'
+  part, as the runs count.
+
+  The overlap is modeled only with outer_placement='host': a collective on
+  the compute devices runs in their stream, between inner steps, so it
+  hides behind none of them (measured on shaped links: Streaming DiLoCo on
+  the compute devices takes plain DiLoCo's round time).
 
   Args:
     config: the run's ml_collections config.
@@ -528,11 +534,13 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
     return Workload("ddp", d.islands, step_time_s, sync_bytes,
                     inner_steps=d.inner_steps,
                     ddp_hidden_fraction=ddp_hidden_fraction), link
+  overlaps = d.get("outer_placement", "device") == "host"
   return Workload(
       "diloco", d.islands, step_time_s, sync_bytes,
-      inner_steps=d.inner_steps, overlap=d.get("overlap", "none"),
+      inner_steps=d.inner_steps,
+      overlap=d.get("overlap", "none") if overlaps else "none",
       fragments=d.get("fragments", 1),
-      fragment_delay=d.get("fragment_delay", 0),
+      fragment_delay=d.get("fragment_delay", 0) if overlaps else 0,
       apply_time_s=apply_time_s), link
 
 

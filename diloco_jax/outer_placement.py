@@ -18,22 +18,31 @@ overlap='one_step_delay' runs while the islands train the next round: the
 next round needs only x_r, which depends on the previous round's mean,
 already arrived.
 
+Streaming DiLoCo's sends go there the same way, one fragment at a time:
+only that fragment's island leaves cross, the collective and the outer
+optimizer's step run on the outer devices while the islands train, and the
+merge `fragment_delay` steps later takes the fragment's new x back.
+
 `HostOuter` holds the outer side's state between rounds and offers the
-loop the same `outer_step(state, weights)` and `flush(state)` as the
-compiled on-device programs; the islands' side of the state then carries
-no outer fields (`strip`), and `assemble` puts them back for a checkpoint,
-which stays the same pytree whichever the placement.
+loop the same `outer_step(state, weights)`, `flush(state)` and per-fragment
+`sends` as the compiled on-device programs (a merge takes
+`fragment_x(p)`); the islands' side of the state then carries no outer
+fields (`strip`), and `assemble` puts them back for a checkpoint, which
+stays the same pytree whichever the placement.
 """
 
 import collections
 import concurrent.futures
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diloco_jax import compression as compression_lib
 from diloco_jax import diloco
+from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
 from diloco_jax import optimizers
 from diloco_jax import placement
@@ -146,15 +155,23 @@ class HostOuter:
                outer_opt: optax.GradientTransformation, compression,
                inner_opt: optax.GradientTransformation,
                rounding_seed: int | None = None, restart_dropped: bool = False,
-               overlap: str = "none"):
+               overlap: str = "none", fragments: int | None = None):
+    """`fragments`: P for Streaming DiLoCo (None: DiLoCo's whole-model
+    outer step)."""
     self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
     self._compute_mesh = compute_mesh
     self._islands = islands
     self._delayed = overlap == "one_step_delay"
+    self._fragments = fragments
+    self._compression = compression_lib.as_compression(compression)
     self._inner_opt = inner_opt
     self._restart_dropped = restart_dropped
     self._outer = None  # the outer side's TrainState (no island fields)
     sync = diloco.make_island_sync(self.mesh, compression, rounding_seed)
+    self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
+    # Streaming: per fragment, its jitted send, and where its leaves sit
+    # among the params and the codec state (built from the state's layout).
+    self._fragment_sends = self._assignment = self._positions = None
     mesh = self.mesh
 
     def send(outer, island_params, weights, start):
@@ -231,23 +248,65 @@ class HostOuter:
     weights = jax.ShapeDtypeStruct((self._islands,), jnp.float32,
                                    sharding=island)
 
-    def compile_both():
-      send = self._send.lower(outer, island_params, weights,
-                              outer.global_params).compile()
-      apply = self._apply.lower(outer).compile() if self._delayed else None
-      return send, apply
+    if self._fragments:
+      self._build_fragment_sends(outer)
+      step = jax.ShapeDtypeStruct(state.step.shape, state.step.dtype,
+                                  sharding=NamedSharding(self.mesh, P()))
+
+    def compile_all() -> dict:
+      """The compiled programs, by the attribute they replace."""
+      if self._fragments:
+        return {"_fragment_sends": [
+            send.lower(self._parts(outer, p),
+                       fragments_lib.select(island_params, self._assignment,
+                                            p),
+                       weights, step).compile()
+            for p, send in enumerate(self._fragment_sends)]}
+      compiled = {"_send": self._send.lower(outer, island_params, weights,
+                                            outer.global_params).compile()}
+      if self._delayed:
+        compiled["_apply"] = self._apply.lower(outer).compile()
+      return compiled
 
     pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="compile-outer")
-    self._compiling = pool.submit(compile_both)
+    self._compiling = pool.submit(compile_all)
     pool.shutdown(wait=False)
 
   def _use_compiled(self) -> None:
     if self._compiling is not None:
-      send, apply = self._compiling.result()
-      self._send, self._compiling = send, None
-      if apply is not None:
-        self._apply = apply
+      for name, compiled in self._compiling.result().items():
+        setattr(self, name, compiled)
+      self._compiling = None
+
+  def _build_fragment_sends(self, outer) -> None:
+    """Streaming: per fragment, send(parts, island_leaves, weights, step)
+    -> parts on the outer devices, for the layout of `outer` (the outer
+    side's state, concrete or abstract). Each takes and gives its
+    fragment's parts only, so a send in flight holds up no other
+    fragment's merge."""
+    if self._fragment_sends is not None:
+      return
+    params = outer.global_params
+    self._assignment = fragments_lib.leaf_fragments(params, self._fragments)
+    self._positions = [fragments_lib.codec_positions(
+        params, self._compression, self._assignment, p)
+                       for p in range(self._fragments)]
+    shardings = diloco.state_shardings(outer, self.mesh)
+
+    def send(fragment, parts, island_leaves, weights, step):
+      return self._send_parts(
+          parts, island_leaves, weights,
+          fragments_lib.send_index(step, self._fragments, fragment))
+
+    self._fragment_sends = [
+        jax.jit(functools.partial(send, p),
+                out_shardings=self._parts(shardings, p))
+        for p in range(self._fragments)]
+
+  def _parts(self, outer, fragment: int) -> fragments_lib.FragmentParts:
+    return fragments_lib.fragment_parts(outer, self._assignment,
+                                        self._positions[fragment], fragment)
 
   @property
   def outer_state(self) -> diloco.TrainState:
@@ -260,12 +319,16 @@ class HostOuter:
     initialized) to the outer devices; returns the islands' side."""
     outer = state.replace(island_params=None, inner_opt_state=None)
     self._outer = move(outer, diloco.state_shardings(outer, self.mesh))
+    if self._fragments:
+      self._build_fragment_sends(self._outer)
     return strip(state)
 
   def assemble(self, state: diloco.TrainState) -> diloco.TrainState:
     """The whole state (for a checkpoint): the islands' side with the outer
-    fields copied back beside it, in their on-device layout."""
-    outer = {field: getattr(self._outer, field) for field in OUTER_FIELDS}
+    fields and x (streaming: with the fragments sent and not yet merged)
+    copied back beside it, in their on-device layout."""
+    outer = {field: getattr(self._outer, field)
+             for field in OUTER_FIELDS + ("global_params",)}
     whole = state.replace(**outer)
     targets = diloco.state_shardings(whole, self._compute_mesh)
     return state.replace(**{field: move(value, getattr(targets, field))
@@ -302,6 +365,45 @@ class HostOuter:
     islands = diloco.num_islands(state)
     return self._reset(state, self._x_on_compute(),
                        jnp.zeros((islands,), bool), False)
+
+  @property
+  def sends(self) -> tuple:
+    """Streaming: per fragment, send(state, weights) -> state. The
+    fragment's island leaves go out and its collective and outer step are
+    queued on the outer devices; the islands' side comes back unchanged
+    (its merge folds the new x in, from `fragment_x`)."""
+    return tuple(functools.partial(self._send_fragment, p)
+                 for p in range(self._fragments or 0))
+
+  def _send_fragment(self, fragment: int, state: diloco.TrainState,
+                     weights: jax.Array) -> diloco.TrainState:
+    self._use_compiled()
+    island = NamedSharding(self.mesh, P(mesh_lib.ISLAND))
+    parts = self._fragment_sends[fragment](
+        self._parts(self._outer, fragment),
+        move(fragments_lib.select(state.island_params, self._assignment,
+                                  fragment), island),
+        move(weights, island),
+        move(state.step, NamedSharding(self.mesh, P())))
+    self._outer = fragments_lib.with_fragment_parts(
+        self._outer, self._assignment, self._positions[fragment], fragment,
+        parts)
+    return state
+
+  def fragment_x(self, fragment: int) -> list:
+    """Streaming: the fragment's leaves of x on the compute devices, for
+    its merge (they arrive once its send is done)."""
+    return move(fragments_lib.select(self._outer.global_params,
+                                     self._assignment, fragment),
+                NamedSharding(self._compute_mesh, P()))
+
+  def current(self, state: diloco.TrainState) -> diloco.TrainState:
+    """The islands' side with the outer side's x, e.g. to evaluate it.
+    With Streaming DiLoCo that waits for the fragments in flight; with
+    DiLoCo the islands hold x already."""
+    if not self._fragments:
+      return state
+    return state.replace(global_params=self._x_on_compute())
 
   def _x_on_compute(self):
     return move(self._outer.global_params,

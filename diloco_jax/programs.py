@@ -74,12 +74,20 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
                    else None)
   if mode == "diloco" and schedule_lib.is_streaming(config.diloco):
     num_fragments = config.diloco.fragments
-    sends = tuple(fragments_lib.make_fragment_send(
-        outer_opt, mesh, num_fragments, p, compression, rounding_seed,
-        fsdp).lower(state, weights).compile() for p in range(num_fragments))
+    if on_device:
+      sends = tuple(fragments_lib.make_fragment_send(
+          outer_opt, mesh, num_fragments, p, compression, rounding_seed,
+          fsdp).lower(state, weights).compile()
+                    for p in range(num_fragments))
+    # With 'host' the sends are HostOuter's, and a merge takes the
+    # fragment's x from the outer devices.
+    assignment = fragments_lib.leaf_fragments(state.global_params,
+                                              num_fragments)
     merges = tuple(fragments_lib.make_fragment_merge(
         mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
-        inner_opt).lower(state).compile() for p in range(num_fragments))
+        inner_opt).lower(state, *(() if on_device else (
+            fragments_lib.select(state.global_params, assignment, p),))
+                         ).compile() for p in range(num_fragments))
   elif mode == "diloco" and on_device:
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,

@@ -64,6 +64,15 @@ def _round_ends(step: int, inner_steps: int, total_steps: int) -> bool:
   return step % inner_steps == 0 or step == total_steps
 
 
+def _eval_due(step: int, inner_steps: int, total_steps: int,
+              every_rounds: int) -> bool:
+  """Whether the end of `step`'s round is evaluated (config.eval)."""
+  if step == total_steps:
+    return True
+  return bool(every_rounds and step % inner_steps == 0
+              and (step // inner_steps) % every_rounds == 0)
+
+
 def _checkpoint_due(step: int, round_ended: bool, rounds_done: int,
                     total_steps: int, checkpoint_config) -> bool:
   if step == total_steps:
@@ -185,17 +194,22 @@ def _summary(config, progress: accounting.Progress, *, num_params: int,
   return summary
 
 
-def _run_sync_actions(actions, state, programs, weights):
-  """Runs the schedule's synchronization programs after a step, in order."""
+def _run_sync_actions(actions, state, programs, weights, host_outer=None):
+  """Runs the schedule's synchronization programs after a step, in order:
+  the compiled ones, or with outer_placement='host' `host_outer`'s (a
+  merge then takes the fragment's x from it)."""
+  outer = programs if host_outer is None else host_outer
   for action in actions:
     if action.kind == schedule_lib.OUTER:
-      state = programs.outer_step(state, weights)
+      state = outer.outer_step(state, weights)
     elif action.kind == schedule_lib.FLUSH:
-      state = programs.flush(state)  # the last update in flight
+      state = outer.flush(state)  # the last update in flight
     elif action.kind == schedule_lib.SEND:
-      state = programs.sends[action.fragment](state, weights)
+      state = outer.sends[action.fragment](state, weights)
     elif action.kind == schedule_lib.MERGE:
-      state = programs.merges[action.fragment](state)
+      merge = programs.merges[action.fragment]
+      state = (merge(state) if host_outer is None
+               else merge(state, host_outer.fragment_x(action.fragment)))
     else:
       raise ValueError(f"unknown schedule action {action}")
   return state
@@ -400,7 +414,9 @@ def _train(config, workdir: str, devices, launch_time: float,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
                        else None),
         restart_dropped=config.diloco.dropped_islands == "idle",
-        overlap=config.diloco.overlap)
+        overlap=config.diloco.overlap,
+        fragments=(config.diloco.fragments
+                   if schedule_lib.is_streaming(config.diloco) else None))
 
   def islands_side(state):
     """The state the islands train (with 'host', the outer fields go to
@@ -410,6 +426,10 @@ def _train(config, workdir: str, devices, launch_time: float,
   def whole(state):
     """The whole state, as checkpoints hold it."""
     return state if host_outer is None else host_outer.assemble(state)
+
+  def evaluated(state):
+    """The state to evaluate: with the outer side's current x."""
+    return state if host_outer is None else host_outer.current(state)
 
   def first_state():
     """(step, source meta, state, progress) of a run's first start: fresh
@@ -669,7 +689,9 @@ def _train(config, workdir: str, devices, launch_time: float,
           finish_record(*pending)
           pending = None
         round_ended = _round_ends(step, inner_steps, total_steps)
-        if round_ended and evaluate_island_mean is not None:
+        evaluating = _eval_due(step, inner_steps, total_steps,
+                               config.eval.every_rounds)
+        if evaluating and evaluate_island_mean is not None:
           # Before the outer step resets them, the islands' plain average.
           island_mean_loss = float(evaluate_island_mean(state,
                                                         tuple(eval_arrays)))
@@ -690,9 +712,8 @@ def _train(config, workdir: str, devices, launch_time: float,
               state if host_outer is None else host_outer.outer_state)
           rank = _mean_rank(compression, rank_indices)
           sending = int((synced & ~excluded).sum())
-          state = _run_sync_actions(
-              actions, state, programs if host_outer is None else host_outer,
-              weights)
+          state = _run_sync_actions(actions, state, programs, weights,
+                                    host_outer)
           link_bytes.count_syncs(progress, actions, rank_indices, sending)
         if round_ended:
           progress.rounds_done += 1
@@ -709,11 +730,12 @@ def _train(config, workdir: str, devices, launch_time: float,
         if config.pretrain_steps:  # the pretraining records say 'pretrain'
           record["phase"] = mode
         pending = (record, step_metrics)
-        if round_ended:
-          eval_loss = _mean_loss(evaluate, state, eval_arrays)
+        if evaluating:
+          eval_loss = _mean_loss(evaluate, evaluated(state), eval_arrays)
           record.update(_eval_record(eval_loss, byte_level))
           if evaluate_island_mean is not None:
             record["eval_loss_island_mean"] = island_mean_loss
+        if round_ended:
           if syncs and rank is not None:
             record["codec_mean_rank"] = rank
           if syncs:
@@ -740,7 +762,7 @@ def _train(config, workdir: str, devices, launch_time: float,
     if pending is not None:
       finish_record(*pending)
     if math.isnan(eval_loss):  # resumed from the final checkpoint
-      eval_loss = _mean_loss(evaluate, state, eval_arrays)
+      eval_loss = _mean_loss(evaluate, evaluated(state), eval_arrays)
     jax.block_until_ready(state)
     train_s = time.perf_counter() - train_start
     checkpointer.close()

@@ -82,10 +82,6 @@ def _validate_participation(config) -> None:
     _require(config.mode == "diloco",
              "config.diloco.outer_placement='host' places DiLoCo's outer "
              f"step; config.mode={config.mode!r} has none")
-    _require(not schedule_lib.is_streaming(diloco_config),
-             "config.diloco.outer_placement='host' is not built for "
-             "Streaming DiLoCo yet (fragments, fragment_delay, "
-             "fragment_alpha); use 'device'")
     _require(not config.mesh.fsdp,
              "config.diloco.outer_placement='host' moves whole islands; "
              "with config.mesh.fsdp use 'device'")
@@ -186,6 +182,11 @@ def validate_config(config, num_devices: int) -> None:
       f"config.eval.batch_size={config.eval.batch_size} is not divisible by "
       f"islands x mesh.data = {eval_shards}",
   )
+  every_rounds = config.eval.every_rounds
+  _require(isinstance(every_rounds, int) and not isinstance(every_rounds, bool)
+           and every_rounds >= 0,
+           f"config.eval.every_rounds={every_rounds!r} must be an integer "
+           ">= 0 (0: evaluate at the last step only)")
   _require(isinstance(config.eval.island_mean, bool),
            f"config.eval.island_mean={config.eval.island_mean!r} must be "
            f"True or False")

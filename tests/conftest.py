@@ -13,7 +13,15 @@ import tempfile
 
 import jax
 
-_CACHE_DIR = tempfile.mkdtemp(prefix="diloco_jax_test_jit_cache_")
+# pytest-xdist's test processes share one cache: each program compiles
+# once per run, whichever process meets it first.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:
+  _CACHE_DIR = os.path.join(tempfile.gettempdir(),
+                            f"diloco_jax_test_jit_cache_{_RUN_ID}")
+  os.makedirs(_CACHE_DIR, exist_ok=True)
+else:
+  _CACHE_DIR = tempfile.mkdtemp(prefix="diloco_jax_test_jit_cache_")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
 

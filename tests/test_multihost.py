@@ -298,12 +298,18 @@ def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
   test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
 
 
-def test_the_outer_step_on_each_process_own_device(tmp_path):
+@pytest.mark.parametrize("overlap", [
+    ("--config.diloco.overlap=one_step_delay",),
+    ("--config.model.num_layers=2", "--config.diloco.fragments=2",
+     "--config.diloco.fragment_delay=1", "--config.diloco.codec=int8")],
+                         ids=["one_step_delay", "streaming"])
+def test_the_outer_step_on_each_process_own_device(tmp_path, overlap):
   # outer_placement='host' on 2 processes: each sets a CPU device aside for
   # the outer side, takes its own islands there (no collective) and runs
-  # the cross-island collective between those devices; with the delay the
-  # run must still equal the on-device outer step in one process.
-  extra = ("--config.diloco.islands=4", "--config.diloco.overlap=one_step_delay")
+  # the cross-island collective between those devices (streaming: each
+  # fragment's); with the delay or the fragments in flight the run must
+  # still equal the on-device programs in one process.
+  extra = ("--config.diloco.islands=4", *overlap)
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _one_process(one, *extra)
   output = _run(2, two, *extra, "--config.diloco.outer_placement=host")

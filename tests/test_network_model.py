@@ -360,16 +360,21 @@ def test_from_config_reads_a_run_s_config():
       compression.mean_bytes(tree, 4,
                              compression.from_config(config.diloco)),
       inner_steps=20, overlap=config.diloco.get("overlap", "none"))
-  # The streaming fields, once the schema has them.
+  # The streaming fields, once the schema has them. The collectives
+  # overlap the inner steps only on devices of their own.
   config.diloco.overlap = "none"
   config.diloco.fragments = 4
   config.diloco.fragment_delay = 2
-  workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
-  assert (workload.fragments, workload.delay_steps) == (4, 2)
+  for placement, delay in (("device", 0), ("host", 2)):
+    config.diloco.outer_placement = placement
+    workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
+    assert (workload.fragments, workload.delay_steps) == (4, delay)
   config.diloco.fragments, config.diloco.fragment_delay = 1, 0
   config.diloco.overlap = "one_step_delay"
-  assert nm.from_config(config, 0.25, 2 * GBIT,
-                        params=tree)[0].delay_steps == 20
+  for placement, delay in (("device", 0), ("host", 20)):
+    config.diloco.outer_placement = placement
+    assert nm.from_config(config, 0.25, 2 * GBIT,
+                          params=tree)[0].delay_steps == delay
   # DDP counts float32 gradients, as train.py's _byte_counts does.
   config.mode, config.diloco.overlap = "ddp", "none"
   workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
@@ -430,6 +435,7 @@ def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   config = config_schema.base_config()
   config.total_steps, config.diloco.inner_steps = 200, h
   config.diloco.overlap = "one_step_delay"
+  config.diloco.outer_placement = "host"
   estimate = nm.run_estimate(config, step, bandwidth, params=_tree())
   workload, _ = nm.from_config(config, step, bandwidth, params=_tree())
   assert estimate["network_wall_s"] == pytest.approx(
