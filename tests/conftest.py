@@ -23,9 +23,9 @@ if _RUN_ID:
 else:
   _CACHE_DIR = tempfile.mkdtemp(prefix="diloco_jax_test_jit_cache_")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

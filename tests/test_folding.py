@@ -96,8 +96,10 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
   return losses, grad_norms, jax.device_get(state)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("islands", [4, 8])
+# k = 8 folds 4 islands per device on 2; the codecs fold the same way at
+# k = 4, so k = 8 runs the plain mean only.
+@pytest.mark.parametrize("islands,variant",
+                         [(4, v) for v in VARIANTS] + [(8, "fp32")])
 def test_runs_on_1_2_and_k_devices_agree(islands, variant):
   runs = {d: _run(islands, d, variant) for d in (1, 2, islands)}
   losses, grad_norms, state = runs[islands]
@@ -127,7 +129,7 @@ CODECS = {
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-@pytest.mark.parametrize("islands", [4, 8])
+@pytest.mark.parametrize("islands", [4])  # 1, 2 and 4 islands per device
 def test_codec_mean_is_the_same_on_every_placement(islands, codec):
   compression = compression_lib.as_compression(CODECS[codec])
   rng = np.random.default_rng(1)
