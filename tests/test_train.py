@@ -140,7 +140,18 @@ BAD_CONFIGS = [
     ({"diloco.lowrank.min_rank": 32, "diloco.lowrank.max_rank": 8},
      "config.diloco.lowrank.min_rank=32"),
     ({"diloco.lowrank.rank": 0}, "config.diloco.lowrank.rank=0"),
+    ({"eval.every_rounds": -1}, "config.eval.every_rounds=-1"),
 ]
+
+
+def test_eval_every_rounds_evaluates_those_rounds_and_the_last_step(tmp_path):
+  config = tiny.get_config()
+  config.total_steps, config.diloco.inner_steps = 10, 2
+  config.eval.every_rounds = 2
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records if "eval_loss" in r] == [4, 8, 10]
 
 
 def _override(config, dotted, value):
