@@ -78,8 +78,10 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
     assert leaf.sharding.device_set == {outer_devices[0]}
 
 
+# Low rank with its codec state; adaptive ranks are left out: a last-bit
+# difference can tip an energy threshold to another rank.
 @pytest.mark.parametrize("codec,error_feedback", [
-    ("int8", True), ("adaptive_lowrank", True)])
+    ("int8", True), ("lowrank", True)])
 def test_streaming_sends_on_the_host_equal_the_on_device_ones(
     codec, error_feedback):
   """Two fragments, each sent on the outer device while the other is in
@@ -131,8 +133,8 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones(
   whole = host.assemble(on_host)
   assert jax.tree.structure(whole) == jax.tree.structure(on_device)
   # Summation order (4 islands folded onto 1 outer device) moves the last
-  # bit; the low-rank codec's orthogonalization amplifies it (seen: 1.4e-6).
-  tolerance = 1e-5 if codec == "adaptive_lowrank" else 1e-7
+  # bit; the low-rank codec's orthogonalization amplifies it.
+  tolerance = 1e-5 if codec == "lowrank" else 1e-7
   for a, b in zip(jax.tree.leaves(jax.device_get(on_device)),
                   jax.tree.leaves(jax.device_get(whole))):
     np.testing.assert_allclose(a, b, rtol=10 * tolerance, atol=tolerance)
