@@ -83,11 +83,16 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
     # fragment's x from the outer devices.
     assignment = fragments_lib.leaf_fragments(state.global_params,
                                               num_fragments)
+
+    def merge_args(p):
+      if on_device:
+        return (state,)
+      return (state, fragments_lib.select(state.global_params, assignment, p))
+
     merges = tuple(fragments_lib.make_fragment_merge(
         mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
-        inner_opt).lower(state, *(() if on_device else (
-            fragments_lib.select(state.global_params, assignment, p),))
-                         ).compile() for p in range(num_fragments))
+        inner_opt).lower(*merge_args(p)).compile()
+                   for p in range(num_fragments))
   elif mode == "diloco" and on_device:
     outer_step = diloco.make_outer_step(
         outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,
