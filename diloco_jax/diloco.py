@@ -261,7 +261,8 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 
 def make_island_sync(mesh, compression=None,
-                     rounding_seed: int | None = None, fsdp: bool = False):
+                     rounding_seed: int | None = None, fsdp: bool = False,
+                     stripes: int | None = None):
   """The cross-island part of an outer step, for any subtree of the params.
 
   Returns sync(global_params, island_params, residuals, codec_state,
@@ -274,10 +275,16 @@ def make_island_sync(mesh, compression=None,
   and keeps its residual. `round_index` seeds stochastic rounding (with
   `rounding_seed`) with the island's index, so a resumed run draws the
   same noise.
+
+  `stripes` (default: the mesh's 'data' size with `fsdp`, else 1) is how
+  many rows the codec cuts each island's tree into (placement.stripe): the
+  outer devices of outer_placement='host' hold whole islands and encode
+  them as the islands' FSDP devices would.
   """
   compression = compression_lib.as_compression(compression)
-  # With FSDP each of an island's 'data' devices sends its own shards.
-  stripes = mesh.shape[DATA] if fsdp else 1
+  if stripes is None:
+    # With FSDP each of an island's 'data' devices sends its own shards.
+    stripes = mesh.shape[DATA] if fsdp else 1
 
   def island_sync(global_params, island_params, residuals, codec_state,
                   weight, round_index):

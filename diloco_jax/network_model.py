@@ -524,7 +524,7 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
       from diloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
       params = model_lib.param_shapes(config.model)
     stripes = config.mesh.data if config.mesh.fsdp else 1
-    # DDP all-reduces float32 gradients, as train.py counts them.
+    # DDP all-reduces float32 gradients, as accounting.LinkBytes counts them.
     codec = (compression_lib.from_config(d) if config.mode == "diloco"
              else "fp32")
     sync_bytes = bytes_per_sync(params, d.islands, codec,

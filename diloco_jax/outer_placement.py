@@ -9,7 +9,8 @@ config.diloco.outer_placement:
             device beside GPUs or TPUs (DiLoCo and OpenDiLoCo keep the outer
             state in host memory, off the accelerator), or, on CPU-only
             hosts, a CPU device set aside for it. The islands' params cross
-            to it at a round's end and the new x comes back.
+            to it at a round's end (FSDP islands' shards gathered from
+            their devices) and the new x comes back.
 
 XLA runs one device's programs in order, so a collective on the compute
 devices waits for the inner steps queued there and they wait for it. On a
@@ -86,13 +87,21 @@ def split_devices(devices) -> tuple[list, list]:
   return compute, outer
 
 
+def islands_across_processes(mesh) -> list[int]:
+  """The island slots of `mesh` whose devices are on several processes
+  (with FSDP no process holds such an island whole, so 'host' cannot
+  gather it without a collective of its own)."""
+  return [slot for slot in range(mesh.shape[mesh_lib.ISLAND])
+          if len({d.process_index for d in mesh.devices[slot].flat}) > 1]
+
+
 def move(tree, shardings):
   """Copies every array of `tree` to `shardings` (a tree of them, or one),
   without any collective: each process copies what it holds.
 
-  Arrays may be split along their leading (island) axis only, and each
-  process must already hold the islands its target shards need (both
-  meshes put a process's islands on its own devices).
+  Each process must already hold every part its target shards need: both
+  meshes put a process's islands on its own devices, and an island split
+  over 'data' devices (FSDP) keeps them in one process.
   """
   if isinstance(shardings, jax.sharding.Sharding):
     return jax.tree.map(lambda x: _move(x, shardings), tree)
@@ -102,39 +111,59 @@ def move(tree, shardings):
 def _move(x: jax.Array, sharding) -> jax.Array:
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
-  # One copy of each distinct piece this process holds, by its rows.
-  pieces = {}
+  # One copy of each distinct block this process holds (the shards of a
+  # NamedSharding tile the array on a grid), by its (start, stop) per axis.
+  blocks = {}
   for shard in x.addressable_shards:
-    pieces.setdefault(_rows(shard.index, x.shape), shard.data)
+    blocks.setdefault(_bounds(shard.index, x.shape), shard.data)
   arrays = []
   for device, index in sharding.addressable_devices_indices_map(
       x.shape).items():
-    start, stop = _rows(index, x.shape)
-    parts = []
-    for (first, last), data in sorted(pieces.items()):
-      if first < stop and last > start:
-        part = jax.device_put(data, device)
-        if x.ndim:
-          part = part[max(start, first) - first:min(stop, last) - first]
-        parts.append(part)
-    held = sum(p.shape[0] for p in parts) if x.ndim else len(parts)
-    if held != stop - start:
-      raise ValueError(f"rows {start}..{stop} of an array of shape {x.shape}"
-                       f" are not all on process {jax.process_index()}")
-    arrays.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    target = _bounds(index, x.shape)
+    arrays.append(_assemble(
+        {bounds: jax.device_put(data, device)
+         for bounds, data in blocks.items() if _overlaps(bounds, target)},
+        target, x.shape))
   return jax.make_array_from_single_device_arrays(x.shape, sharding, arrays)
 
 
-def _rows(index, shape) -> tuple[int, int]:
-  """The leading-axis range of a shard index; other axes must be whole."""
-  if not shape:
-    return (0, 1)
-  for axis, part in enumerate(index[1:], start=1):
-    if (part.start or 0) != 0 or part.stop not in (None, shape[axis]):
-      raise ValueError("outer_placement='host' moves arrays split along "
-                       f"their island axis only, not axis {axis} of {shape}")
-  lead = index[0]
-  return (lead.start or 0, shape[0] if lead.stop is None else lead.stop)
+def _bounds(index, shape) -> tuple[tuple[int, int], ...]:
+  """A shard index's (start, stop) on every axis."""
+  return tuple((part.start or 0, size if part.stop is None else part.stop)
+               for part, size in zip(index, shape))
+
+
+def _overlaps(bounds, target) -> bool:
+  return all(start < t_stop and stop > t_start
+             for (start, stop), (t_start, t_stop) in zip(bounds, target))
+
+
+def _assemble(blocks: dict, target, shape, axis: int = 0) -> jax.Array:
+  """The `target` region from the grid `blocks` overlapping it: along
+  `axis`, each distinct span of blocks is assembled over the next axes and
+  the spans are joined. ValueError if the blocks do not cover it."""
+  if axis == len(target):
+    (bounds, data), = blocks.items()
+    return data[tuple(slice(t_start - start, t_stop - start)
+                      for (start, _), (t_start, t_stop)
+                      in zip(bounds, target))]
+  t_start, t_stop = target[axis]
+  spans = sorted({bounds[axis] for bounds in blocks})
+  covered = sum(min(stop, t_stop) - max(start, t_start)
+                for start, stop in spans)
+  if covered != t_stop - t_start:
+    raise ValueError(
+        f"part {target} of an array of shape {shape} is not all on process"
+        f" {jax.process_index()}")
+  parts = []
+  for start, stop in spans:
+    clipped = tuple((max(start, t_start), min(stop, t_stop))
+                    if a == axis else bounds for a, bounds in
+                    enumerate(target))
+    parts.append(_assemble(
+        {b: d for b, d in blocks.items() if b[axis] == (start, stop)},
+        clipped, shape, axis + 1))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis)
 
 
 def strip(state: diloco.TrainState) -> diloco.TrainState:
@@ -155,11 +184,16 @@ class HostOuter:
                outer_opt: optax.GradientTransformation, compression,
                inner_opt: optax.GradientTransformation,
                rounding_seed: int | None = None, restart_dropped: bool = False,
-               overlap: str = "none", fragments: int | None = None):
+               overlap: str = "none", fragments: int | None = None,
+               fsdp: bool = False):
     """`fragments`: P for Streaming DiLoCo (None: DiLoCo's whole-model
-    outer step)."""
+    outer step). `fsdp`: the islands' arrays are split over their 'data'
+    devices (config.mesh.fsdp); the outer side holds whole islands and
+    encodes each in the same stripes as those devices would."""
     self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
     self._compute_mesh = compute_mesh
+    self._fsdp = fsdp
+    self._x_shardings = None  # where x lives on the compute devices
     self._islands = islands
     self._delayed = overlap == "one_step_delay"
     self._fragments = fragments
@@ -167,7 +201,9 @@ class HostOuter:
     self._inner_opt = inner_opt
     self._restart_dropped = restart_dropped
     self._outer = None  # the outer side's TrainState (no island fields)
-    sync = diloco.make_island_sync(self.mesh, compression, rounding_seed)
+    sync = diloco.make_island_sync(
+        self.mesh, compression, rounding_seed,
+        stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1)
     self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
     # Streaming: per fragment, its jitted send, and where its leaves sit
     # among the params and the codec state (built from the state's layout).
@@ -228,7 +264,7 @@ class HostOuter:
                             inner_opt_state=inner_opt_state,
                             round=state.round + int(ends_round))
       return placement.constrain(
-          state, diloco.state_shardings(state, compute_mesh))
+          state, diloco.state_shardings(state, compute_mesh, fsdp))
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=3)
     self._finite = jax.jit(diloco.islands_finite)
@@ -319,6 +355,8 @@ class HostOuter:
     initialized) to the outer devices; returns the islands' side."""
     outer = state.replace(island_params=None, inner_opt_state=None)
     self._outer = move(outer, diloco.state_shardings(outer, self.mesh))
+    self._x_shardings = diloco.state_shardings(
+        outer, self._compute_mesh, self._fsdp).global_params
     if self._fragments:
       self._build_fragment_sends(self._outer)
     return strip(state)
@@ -330,7 +368,7 @@ class HostOuter:
     outer = {field: getattr(self._outer, field)
              for field in OUTER_FIELDS + ("global_params",)}
     whole = state.replace(**outer)
-    targets = diloco.state_shardings(whole, self._compute_mesh)
+    targets = diloco.state_shardings(whole, self._compute_mesh, self._fsdp)
     return state.replace(**{field: move(value, getattr(targets, field))
                             for field, value in outer.items()})
 
@@ -393,9 +431,10 @@ class HostOuter:
   def fragment_x(self, fragment: int) -> list:
     """Streaming: the fragment's leaves of x on the compute devices, for
     its merge (they arrive once its send is done)."""
-    return move(fragments_lib.select(self._outer.global_params,
-                                     self._assignment, fragment),
-                NamedSharding(self._compute_mesh, P()))
+    select = functools.partial(fragments_lib.select,
+                               assignment=self._assignment, fragment=fragment)
+    return move(select(self._outer.global_params),
+                select(self._x_shardings))
 
   def current(self, state: diloco.TrainState) -> diloco.TrainState:
     """The islands' side with the outer side's x, e.g. to evaluate it.
@@ -406,5 +445,4 @@ class HostOuter:
     return state.replace(global_params=self._x_on_compute())
 
   def _x_on_compute(self):
-    return move(self._outer.global_params,
-                NamedSharding(self._compute_mesh, P()))
+    return move(self._outer.global_params, self._x_shardings)

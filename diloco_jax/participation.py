@@ -76,6 +76,25 @@ def round_mask(num_islands: int, round_index: int, num_rounds: int,
   return mask
 
 
+def step_masks(config, num_islands: int):
+  """participants(step) -> [num_islands] bool: the islands synced at the end
+  of `step`'s round under `config`. Rounds count from the end of the
+  pretraining (config.pretrain_steps); outside DiLoCo every island takes
+  part."""
+  inner_steps = config.diloco.inner_steps
+  first_round = -(-config.pretrain_steps // inner_steps)
+  num_rounds = -(-config.total_steps // inner_steps) - first_round
+
+  def participants(step: int) -> np.ndarray:
+    if config.mode != "diloco":
+      return np.ones(num_islands, bool)
+    round_index = -(-step // inner_steps) - 1 - first_round
+    return round_mask(num_islands, round_index, num_rounds,
+                      config.diloco.island_schedule,
+                      config.diloco.drop_probability, config.seed)
+  return participants
+
+
 def parse_nan_island(spec: str, num_islands: int) -> tuple[int, int]:
   """(island, round) of config.testing.nan_island 'ISLAND@ROUND' (round
   1-based); ValueError naming what is wrong."""

@@ -1,11 +1,11 @@
-"""The host-side schedule: which synchronization programs run after each
-inner step.
+"""The host-side schedule: what runs after each inner step.
 
 DiLoCo, its one-step-delay overlap and Streaming DiLoCo differ in when the
 islands' work is averaged and folded back, not in the programs that do it.
-A run's `Schedule` answers, for each inner step, the list of actions to run
-after it, as a pure function of the step, so a resumed run replays the same
-actions from any checkpoint:
+A run's `Schedule` answers, for each inner step, the synchronization
+actions to run after it, whether the step ends a round, is evaluated, or is
+checkpointed, as pure functions of the step (and the rounds done), so a
+resumed run replays the same actions from any checkpoint:
 
   OUTER       DiLoCo's outer step (all params; with one-step delay it applies
               the previous round's mean and leaves this round's in flight)
@@ -13,7 +13,9 @@ actions from any checkpoint:
   SEND p      Streaming DiLoCo: average fragment p and step its x
   MERGE p     Streaming DiLoCo: fold fragment p's x into the islands
 
-Evaluation and checkpoints keep their own cadence (train.py).
+Evaluation and checkpoints follow config.eval and config.checkpoint, at
+rounds' ends (and every N steps for checkpoints), and always at the last
+step.
 """
 
 import dataclasses
@@ -41,6 +43,11 @@ class Schedule:
     fragments: P; streaming when `streaming` is set.
     fragment_delay: tau, inner steps between a fragment's send and merge.
     streaming: whether fragments are synced on their own schedules.
+    eval_every_rounds: evaluate the end of every N-th round (0: only the
+      last step).
+    checkpoint_every_rounds: checkpoint after every N-th round done (0:
+      off).
+    checkpoint_every_steps: also checkpoint every N inner steps (0: off).
   """
   mode: str
   inner_steps: int
@@ -49,6 +56,32 @@ class Schedule:
   fragments: int = 1
   fragment_delay: int = 0
   streaming: bool = False
+  eval_every_rounds: int = 1
+  checkpoint_every_rounds: int = 1
+  checkpoint_every_steps: int = 0
+
+  def ends_round(self, step: int) -> bool:
+    """Whether `step` is the last of a round (or of the run)."""
+    return step % self.inner_steps == 0 or step == self.total_steps
+
+  def evaluates(self, step: int) -> bool:
+    """Whether the params after `step` (and its syncs) are evaluated."""
+    if step == self.total_steps:
+      return True
+    every = self.eval_every_rounds
+    return bool(every and step % self.inner_steps == 0
+                and (step // self.inner_steps) % every == 0)
+
+  def checkpoints(self, step: int, rounds_done: int) -> bool:
+    """Whether the state after `step` is saved, `rounds_done` rounds
+    counted with it."""
+    if step == self.total_steps:
+      return True
+    every_rounds = self.checkpoint_every_rounds
+    every_steps = self.checkpoint_every_steps
+    return ((self.ends_round(step) and every_rounds
+             and rounds_done % every_rounds == 0)
+            or bool(every_steps and step % every_steps == 0))
 
   def offset(self, fragment: int) -> int:
     """Fragment p syncs at the steps t with t = p * H / P (mod H)."""
@@ -105,7 +138,10 @@ def from_config(config) -> Schedule:
       total_steps=config.total_steps, overlap=diloco_config.overlap,
       fragments=diloco_config.fragments,
       fragment_delay=diloco_config.fragment_delay,
-      streaming=is_streaming(diloco_config))
+      streaming=is_streaming(diloco_config),
+      eval_every_rounds=config.eval.every_rounds,
+      checkpoint_every_rounds=config.checkpoint.every_rounds,
+      checkpoint_every_steps=config.checkpoint.every_steps)
 
 
 def is_streaming(diloco_config) -> bool:

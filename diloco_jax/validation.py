@@ -82,9 +82,6 @@ def _validate_participation(config) -> None:
     _require(config.mode == "diloco",
              "config.diloco.outer_placement='host' places DiLoCo's outer "
              f"step; config.mode={config.mode!r} has none")
-    _require(not config.mesh.fsdp,
-             "config.diloco.outer_placement='host' moves whole islands; "
-             "with config.mesh.fsdp use 'device'")
   _require(config.mode == "diloco" or diloco_config.overlap == "none",
            f"config.diloco.overlap={diloco_config.overlap!r} overlaps DiLoCo's"
            f" outer steps; config.mode={config.mode!r} has none")

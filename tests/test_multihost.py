@@ -246,15 +246,24 @@ def test_an_island_spread_over_two_processes(tmp_path):
   _assert_close_runs(one, two)
 
 
-def test_a_process_without_islands_is_one_clear_error(tmp_path):
-  # One island on one device would leave process 1 with nothing to do.
-  workdir = tmp_path / "idle"
-  process = _launch(2, str(workdir), "--config.mode=single")
+@pytest.mark.parametrize("extra,message", [
+    # One island on one device would leave process 1 with nothing to do.
+    (("--config.mode=single",), "leaving process(es) [1] of 2 without any"),
+    # An FSDP island over both processes: no process holds it whole for
+    # its outer device.
+    (("--config.diloco.islands=1", "--config.mesh.data=2",
+      "--config.mesh.fsdp=True", "--config.diloco.codec=int8",
+      "--config.diloco.outer_placement=host"), "island slot(s) [0] span"),
+], ids=["idle_process", "fsdp_island_across_processes_on_host"])
+def test_a_run_processes_cannot_share_is_one_clear_error(tmp_path, extra,
+                                                         message):
+  workdir = tmp_path / "refused"
+  process = _launch(2, str(workdir), *extra)
   output, _ = process.communicate(timeout=120)
   assert process.returncode == 1
   errors = [line for line in output.splitlines() if "error: " in line]
-  assert len(errors) == 2 and all(
-      "leaving process(es) [1] of 2 without any" in line for line in errors)
+  assert len(errors) == 2 and all(message in line for line in errors), output[
+      -2000:]
   assert "every process exited with an error" in output
   assert not workdir.exists()  # nothing written
 
@@ -299,14 +308,18 @@ def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
 
 
 @pytest.mark.parametrize("overlap", [
-    ("--config.diloco.overlap=one_step_delay",),
+    ("--config.diloco.overlap=one_step_delay", "--config.mesh.data=2",
+     "--config.mesh.fsdp=True", "--config.model.d_model=64",
+     "--config.model.num_heads=4", "--config.model.head_dim=16",
+     "--config.model.mlp_dim=256", "--config.diloco.codec=int8"),
     ("--config.model.num_layers=2", "--config.diloco.fragments=2",
      "--config.diloco.fragment_delay=1", "--config.diloco.codec=int8")],
-                         ids=["one_step_delay", "streaming"])
+                         ids=["fsdp_one_step_delay", "streaming"])
 def test_the_outer_step_on_each_process_own_device(tmp_path, overlap):
   # outer_placement='host' on 2 processes: each sets a CPU device aside for
-  # the outer side, takes its own islands there (no collective) and runs
-  # the cross-island collective between those devices (streaming: each
+  # the outer side, takes its own islands there (no collective; with FSDP
+  # gathered from the shards its island's devices hold) and runs the
+  # cross-island collective between those devices (streaming: each
   # fragment's); with the delay or the fragments in flight the run must
   # still equal the on-device programs in one process.
   extra = ("--config.diloco.islands=4", *overlap)

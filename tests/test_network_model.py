@@ -375,7 +375,7 @@ def test_from_config_reads_a_run_s_config():
     config.diloco.outer_placement = placement
     assert nm.from_config(config, 0.25, 2 * GBIT,
                           params=tree)[0].delay_steps == delay
-  # DDP counts float32 gradients, as train.py's _byte_counts does.
+  # DDP counts float32 gradients, as accounting.LinkBytes does.
   config.mode, config.diloco.overlap = "ddp", "none"
   workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
   assert workload.sync_bytes == compression.mean_bytes(

@@ -1,0 +1,112 @@
+"""What a run reports: each step's metrics record and the run's summary.
+
+A step's record holds what the step trained and sent (and, where it was
+evaluated, the eval loss); the summary, written to summary.json at the end,
+holds what the whole run trained, sent, measured and changed.
+"""
+
+import math
+
+from diloco_jax import accounting
+from diloco_jax import flops
+from diloco_jax import schedule as schedule_lib
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+  """numerator / denominator, or None when nothing was sent (k = 1)."""
+  return numerator / denominator if denominator else None
+
+
+def eval_record(loss: float, byte_level: bool) -> dict:
+  """The eval loss, its perplexity and (byte-level tokens) bits per byte."""
+  record = {"eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 80.0))}
+  if byte_level:
+    record["eval_bits_per_byte"] = loss / math.log(2)
+  return record
+
+
+def step_record(config, step: int, progress: accounting.Progress,
+                learning_rate: float) -> dict:
+  """A step's record, before its training metrics and eval are added."""
+  record = {
+      "step": step, "round": -(-step // config.diloco.inner_steps),
+      "learning_rate": learning_rate,
+      "tokens_seen": progress.tokens_seen,
+      "comm_bytes": progress.comm_bytes,
+      "ddp_comm_bytes": progress.ddp_comm_bytes,
+      "compression_vs_ddp": ratio(progress.ddp_comm_bytes,
+                                  progress.comm_bytes),
+  }
+  if config.pretrain_steps:  # the pretraining records say 'pretrain'
+    record["phase"] = config.mode
+  return record
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
+               dtype: str) -> dict:
+  """tokens/s, model FLOP/s, and model FLOP utilization against the
+  devices' own peak for the compute dtype (None where flops.py's table
+  does not know the device, e.g. CPUs)."""
+  tokens_per_s = tokens / max(seconds, 1e-9)
+  peak = flops.peak_flops_per_s(mesh.devices.flat[0].device_kind, dtype)
+  peak = peak and peak * mesh.devices.size
+  return {"tokens_per_s": tokens_per_s,
+          "model_flops_per_s": flops_per_token * tokens_per_s,
+          "peak_flops_per_s": peak,
+          "mfu": flops_per_token * tokens_per_s / peak if peak else None}
+
+
+def summary(config, progress: accounting.Progress, *, num_params: int,
+            start_step: int, start_tokens: int, timings: dict,
+            flops_per_token: float, mesh, eval_loss: float,
+            island_mean_loss: float | None,
+            entropy_rate: float | None) -> dict:
+  """The run's summary.json: what was trained, sent, measured and changed.
+
+  Throughput counts only the tokens of this process's steps (from
+  start_tokens), over timings['train_s'].
+  """
+  mode = config.mode
+  result = {
+      "mode": mode,
+      "islands": progress.islands,
+      "inner_steps": config.diloco.inner_steps,
+      "total_steps": config.total_steps,
+      "rounds": progress.rounds_done,
+      "corpus": config.data.corpus,
+      "num_params": num_params,
+      "tokens_seen": progress.tokens_seen,
+      "comm_bytes": progress.comm_bytes,
+      "ddp_comm_bytes": progress.ddp_comm_bytes,
+      "codec": config.diloco.codec if mode == "diloco" else "fp32",
+      "overlap": config.diloco.overlap,
+      "outer_placement": config.diloco.outer_placement,
+      "fragments": (config.diloco.fragments
+                    if schedule_lib.is_streaming(config.diloco) else None),
+      # What the codec saved on the syncs, and what it saved against DDP.
+      "compression_vs_fp32": ratio(progress.fp32_comm_bytes,
+                                   progress.comm_bytes),
+      "compression_vs_ddp": ratio(progress.ddp_comm_bytes,
+                                  progress.comm_bytes),
+      **timings,
+      "resumed_from_step": start_step,
+      "model_flops_per_token": flops_per_token,
+      # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
+      "config_changes": progress.config_changes,
+      "rollbacks": progress.rollbacks,
+      # The model the run started from (init_from, pretrain_steps) or None.
+      "pretrain_steps": config.pretrain_steps,
+      "initialized_from": progress.initialized_from,
+  }
+  result.update(throughput(progress.tokens_seen - start_tokens,
+                           timings["train_s"], flops_per_token, mesh,
+                           config.model.dtype))
+  byte_level = config.data.tokenizer == "byte"
+  result.update({"final_" + k: v
+                 for k, v in eval_record(eval_loss, byte_level).items()})
+  if island_mean_loss is not None:
+    result["final_eval_loss_island_mean"] = island_mean_loss
+  if entropy_rate is not None:
+    result["corpus_entropy_rate"] = entropy_rate
+  return result
