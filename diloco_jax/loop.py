@@ -112,6 +112,12 @@ class TrainingLoop:
     self._schedule = schedule_lib.from_config(config)
     self._participants = participation.step_masks(config, setup.islands)
     self._syncs = config.mode == "diloco"  # outer steps or fragments
+    self._check_islands = (jax.jit(diloco.islands_finite) if self._syncs
+                           else None)
+    self._nan_island = (  # config.testing.nan_island: (island, round)
+        participation.parse_nan_island(config.testing.nan_island,
+                                       setup.islands)
+        if config.get("testing", {}).get("nan_island") else None)
     self.link_bytes = accounting.LinkBytes(
         config, setup.abstract_state.global_params, setup.islands,
         setup.spec.compression)
@@ -158,12 +164,6 @@ class TrainingLoop:
     """
     self._programs = programs
     config = self._config
-    self._check_islands = (jax.jit(diloco.islands_finite) if self._syncs
-                           else None)
-    self._nan_island = (
-        participation.parse_nan_island(config.testing.nan_island,
-                                       self._setup.islands)
-        if config.get("testing", {}).get("nan_island") else None)
     start_tokens = self.progress.tokens_seen
     self._writer.start_clock(self.progress.tokens_seen)
     self._train_start = time.perf_counter()

@@ -308,7 +308,8 @@ def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
 
 
 @pytest.mark.parametrize("overlap", [
-    ("--config.diloco.overlap=one_step_delay", "--config.mesh.data=2",
+    ("--config.diloco.overlap=one_step_delay", "--config.total_steps=6",
+     "--config.mesh.data=2",
      "--config.mesh.fsdp=True", "--config.model.d_model=64",
      "--config.model.num_heads=4", "--config.model.head_dim=16",
      "--config.model.mlp_dim=256", "--config.diloco.codec=int8"),

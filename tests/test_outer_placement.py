@@ -156,8 +156,10 @@ def _config(**overrides):
 
 # FSDP islands: 2 islands x 2 'data' devices, a model whose matrices are
 # all split (MIN_FSDP_ELEMENTS), and a dense codec, encoded in the stripes
-# of the island's devices on the outer device too.
+# of the island's devices on the outer device too; 2 rounds (the delay's
+# mean is in flight across the second and flushed at the end).
 FSDP = {"diloco.islands": 2, "mesh.data": 2, "mesh.fsdp": True,
+        "total_steps": 6,
         "model.d_model": 64, "model.num_heads": 4, "model.head_dim": 16,
         "model.mlp_dim": 256, "diloco.codec": "int8",
         "diloco.error_feedback": True}
