@@ -314,8 +314,12 @@ def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
      "--config.model.num_heads=4", "--config.model.head_dim=16",
      "--config.model.mlp_dim=256", "--config.diloco.codec=int8"),
     ("--config.model.num_layers=2", "--config.diloco.fragments=2",
-     "--config.diloco.fragment_delay=1", "--config.diloco.codec=int8")],
-                         ids=["fsdp_one_step_delay", "streaming"])
+     "--config.diloco.fragment_delay=1", "--config.total_steps=6",
+     "--config.mesh.data=2", "--config.mesh.fsdp=True",
+     "--config.model.d_model=64", "--config.model.num_heads=4",
+     "--config.model.head_dim=16", "--config.model.mlp_dim=256",
+     "--config.diloco.codec=int8")],
+                         ids=["fsdp_one_step_delay", "fsdp_streaming"])
 def test_the_outer_step_on_each_process_own_device(tmp_path, overlap):
   # outer_placement='host' on 2 processes: each sets a CPU device aside for
   # the outer side, takes its own islands there (no collective; with FSDP

@@ -78,20 +78,18 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
     assert leaf.sharding.device_set == {outer_devices[0]}
 
 
-# Low rank with its codec state; adaptive ranks are left out: a last-bit
-# difference can tip an energy threshold to another rank.
-@pytest.mark.parametrize("codec,error_feedback", [
-    ("int8", True), ("lowrank", True)])
-def test_streaming_sends_on_the_host_equal_the_on_device_ones(
-    codec, error_feedback):
+def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   """Two fragments, each sent on the outer device while the other is in
   flight, merged later with x_p from there: as the compiled programs on
-  the compute devices."""
+  the compute devices. Low rank with error feedback: each fragment's
+  codec state sits at its own positions (adaptive ranks are left out: a
+  last-bit difference can tip an energy threshold to another rank). Runs
+  check int8 with the sends compiled from shapes."""
   islands, num_fragments, alpha = 4, 2, 0.5
   compute, outer_devices = outer_placement.split_devices(jax.devices())
-  compression = test_streaming._compression(codec)  # pylint: disable=protected-access
+  compression = test_streaming._compression("lowrank")  # pylint: disable=protected-access
   params, inner_opt, outer_opt, state = test_streaming._state(  # pylint: disable=protected-access
-      islands, compression, error_feedback, num_layers=4)
+      islands, compression, True, num_layers=4)
   state = jax.tree.map(np.array, jax.device_get(state.replace(
       outer_opt_state=fragments.init_outer_states(params, outer_opt,
                                                   num_fragments))))
@@ -101,11 +99,6 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones(
   host = outer_placement.HostOuter(outer_devices, islands, mesh, outer_opt,
                                    compression, inner_opt,
                                    fragments=num_fragments)
-  precompiled = codec == "int8"
-  if precompiled:
-    host.compile_in_background(placement.with_shardings(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                     state), shardings))
   on_host = host.load(jax.device_put(state, shardings))
   stripped_shardings = diloco.state_shardings(on_host, mesh)
   sends = [fragments.make_fragment_send(outer_opt, mesh, num_fragments, p,
@@ -134,12 +127,9 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones(
   assert jax.tree.structure(whole) == jax.tree.structure(on_device)
   # Summation order (4 islands folded onto 1 outer device) moves the last
   # bit; the low-rank codec's orthogonalization amplifies it.
-  tolerance = 1e-5 if codec == "lowrank" else 1e-7
   for a, b in zip(jax.tree.leaves(jax.device_get(on_device)),
                   jax.tree.leaves(jax.device_get(whole))):
-    np.testing.assert_allclose(a, b, rtol=10 * tolerance, atol=tolerance)
-  assert all(isinstance(send, jax.stages.Compiled) == precompiled
-             for send in host._fragment_sends)  # pylint: disable=protected-access
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   for leaf in jax.tree.leaves(host.outer_state):
     assert leaf.sharding.device_set == {outer_devices[0]}
 
@@ -165,13 +155,13 @@ FSDP = {"diloco.islands": 2, "mesh.data": 2, "mesh.fsdp": True,
         "diloco.error_feedback": True}
 
 
+# Without the delay, the outer step's host path is checked on its own
+# (test_the_host_outer_step_equals_the_on_device_one); FSDP streaming runs
+# on 2 processes in test_multihost.
 @pytest.mark.parametrize("overrides", [
-    {"diloco.overlap": "none"}, {"diloco.overlap": "one_step_delay"},
-    {"diloco.overlap": "one_step_delay", **FSDP},
-    {"model.num_layers": 2, "diloco.fragments": 2,
-     "diloco.fragment_delay": 1, **FSDP}],
-                         ids=["none", "one_step_delay", "fsdp_delay",
-                              "fsdp_streaming"])
+    {"diloco.overlap": "one_step_delay"},
+    {"diloco.overlap": "one_step_delay", **FSDP}],
+                         ids=["one_step_delay", "fsdp_delay"])
 def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
     tmp_path, overrides):
   host, device = str(tmp_path / "host"), str(tmp_path / "device")
@@ -207,7 +197,7 @@ def _streaming(**overrides):
   return {"model.num_layers": 2, "diloco.inner_steps": 4,
           "diloco.fragments": 2, "diloco.fragment_delay": 2,
           "diloco.fragment_alpha": 0.5, "diloco.codec": "int8",
-          "diloco.error_feedback": True, "checkpoint.every_steps": 1,
+          "diloco.error_feedback": True, "checkpoint.every_steps": 5,
           **overrides}
 
 
