@@ -124,9 +124,10 @@ def _check_every_process_holds_islands(config, devices) -> None:
         f"{len(devices)} devices, leaving process(es) {idle} of "
         f"{jax.process_count()} without any: use more islands or spread "
         "each island over the processes with config.mesh.data")
-  split = outer_placement.islands_across_processes(mesh)
-  if (config.diloco.outer_placement == "host" and config.mesh.fsdp
-      and split):
+  split = (outer_placement.islands_across_processes(mesh)
+           if config.diloco.outer_placement == "host" and config.mesh.fsdp
+           else [])
+  if split:
     raise validation.ConfigError(
         "config.diloco.outer_placement='host' with config.mesh.fsdp gathers "
         "each island on its own process's outer device, but island slot(s) "
