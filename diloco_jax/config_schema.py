@@ -50,7 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.diloco.dropped_islands = "train"
   # 'none': islands wait for each round's collective; 'one_step_delay'
   # (DiLoCoX): round r's mean is applied at the end of round r + 1, so its
-  # collective overlaps a round of local training (diloco.make_outer_step).
+  # collective overlaps a round of local training, and round r + 1 starts
+  # from x_r; 'one_step_delay_rebase': the same timing, but each island
+  # starts round r + 1 from x_r plus its own progress of round r (whose mean
+  # is in flight), rebased again when the mean lands (diloco.make_outer_step).
   c.diloco.overlap = "none"
   # Where x, the outer optimizer state and the cross-island collective live
   # (outer_placement.py): 'device' with the islands; 'host' on one other

@@ -10,7 +10,8 @@ once; the outer step averages the pseudo-gradients x - y_i across islands
 (through the communication boundary), applies the outer optimizer and
 resets every island to the new x. With one-step-delay overlap the outer
 step applies the previous round's mean instead and leaves this round's in
-flight (see make_outer_step).
+flight; its rebasing variant keeps each island's own progress of the round
+on top of the new x (see make_outer_step).
 
 The same inner step serves all three modes: `ddp` additionally averages the
 gradients across islands every step, `single` is one island that never syncs.
@@ -53,6 +54,9 @@ class TrainState(flax.struct.PyTreeNode):
     in_flight_valid: whether `in_flight` holds an update to apply (a bool;
       False before the first round ends, after the final one is applied,
       or when no island took part in that round), or None.
+    anchors: overlap 'one_step_delay_rebase': per island, the params its
+      current round started from, a_i (its progress is y_i - a_i), stacked
+      like island_params; or None.
   """
   step: jax.Array
   round: jax.Array
@@ -64,13 +68,18 @@ class TrainState(flax.struct.PyTreeNode):
   codec_state: Any = None
   in_flight: Any = None
   in_flight_valid: Any = None
+  anchors: Any = None
 
 
 # How the outer step meets the local training (config.diloco.overlap):
 # 'none' applies each round's mean at once (the islands wait for the
 # collective); 'one_step_delay' applies it one round late, so the collective
-# of round r has all of round r + 1 to arrive.
-OVERLAPS = ("none", "one_step_delay")
+# of round r has all of round r + 1 to arrive, and every island starts round
+# r + 1 from x_r; 'one_step_delay_rebase' has the same timing, but an island
+# starts round r + 1 from x_r plus its own progress of round r, whose mean
+# is still in flight, instead of discarding that progress until it lands.
+OVERLAPS = ("none", "one_step_delay", "one_step_delay_rebase")
+DELAYED_OVERLAPS = OVERLAPS[1:]
 
 
 def _stack(tree, n: int):
@@ -96,12 +105,14 @@ def init_state(params, inner_opt: optax.GradientTransformation,
 
   With `error_feedback` the state holds zero residuals; with a `compression`
   (as make_outer_step takes it) that keeps state, its initial codec state
-  (seeded by `seed`); with `overlap` 'one_step_delay', an empty slot for
-  the update in flight.
+  (seeded by `seed`); with a delayed `overlap`, an empty slot for the
+  update in flight, and with 'one_step_delay_rebase' every island's anchor
+  at `params`.
   """
   island_params = _stack(params, num_islands)
-  delayed = _is_delayed(overlap)
+  delayed = is_delayed(overlap)
   return TrainState(
+      anchors=island_params if rebases(overlap) else None,
       in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                               params) if delayed else None),
       in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
@@ -138,13 +149,37 @@ def state_partition_specs(state: TrainState, data_size: int = 1,
       codec_state=jax.tree.map(lambda _: P(), state.codec_state),
       in_flight=shared(state.in_flight),
       in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
+      anchors=per_island(state.anchors),
   )
 
 
-def _is_delayed(overlap: str) -> bool:
+def is_delayed(overlap: str) -> bool:
+  """Whether `overlap` applies each round's mean one round late."""
   if overlap not in OVERLAPS:
     raise ValueError(f"overlap={overlap!r} is not one of {OVERLAPS}")
-  return overlap == "one_step_delay"
+  return overlap in DELAYED_OVERLAPS
+
+
+def rebases(overlap: str) -> bool:
+  """Whether `overlap` keeps the islands' progress across the delay."""
+  return is_delayed(overlap) and overlap == "one_step_delay_rebase"
+
+
+def rebase(island_params, anchors, x, keep: jax.Array):
+  """(island params, anchors) for the next round of the rebasing delay.
+
+  An island in `keep` [islands] starts it from x plus its progress since
+  its anchor, y_i <- x + (y_i - a_i), the rest from x; either way its new
+  anchor is where it starts. Sums in float32, so low-precision params lose
+  no more than their own rounding.
+  """
+  def one(y, a, new_x):
+    progress = y.astype(jnp.float32) - a.astype(jnp.float32)
+    kept = keep.reshape((-1,) + (1,) * (y.ndim - 1))
+    return jnp.where(kept, new_x.astype(jnp.float32)[None] + progress,
+                     new_x[None]).astype(y.dtype)
+  island_params = jax.tree.map(one, island_params, anchors, x)
+  return island_params, island_params
 
 
 def outer_update(outer_opt, global_params, outer_opt_state, update,
@@ -262,13 +297,16 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
 
 def make_island_sync(mesh, compression=None,
                      rounding_seed: int | None = None, fsdp: bool = False,
-                     stripes: int | None = None):
+                     stripes: int | None = None,
+                     reference_per_island: bool = False):
   """The cross-island part of an outer step, for any subtree of the params.
 
-  Returns sync(global_params, island_params, residuals, codec_state,
+  Returns sync(reference, island_params, residuals, codec_state,
   weights, round_index) -> (mean, residuals, codec_state, included, finite)
   (traceable; call it inside jit): the weighted mean of the islands'
-  pseudo-gradients x - y_i (plus their residuals) through `compression`,
+  pseudo-gradients reference - y_i (plus their residuals) through
+  `compression`, where the reference is x, the same for every island, or
+  with `reference_per_island` each island's own anchor a_i (stacked);
   each island's new residual, the next codec state, and per island whether
   it took part and whether its pseudo-gradient was finite. An island with
   weight 0 or a non-finite pseudo-gradient is masked before any arithmetic
@@ -286,11 +324,11 @@ def make_island_sync(mesh, compression=None,
     # With FSDP each of an island's 'data' devices sends its own shards.
     stripes = mesh.shape[DATA] if fsdp else 1
 
-  def island_sync(global_params, island_params, residuals, codec_state,
+  def island_sync(reference, island_params, residuals, codec_state,
                   weight, round_index):
     """One island's pseudo-gradient through the codec: the mean, what the
     codec left unsent (error feedback) and the next codec state."""
-    pseudo_grad = jax.tree.map(jnp.subtract, global_params, island_params)
+    pseudo_grad = jax.tree.map(jnp.subtract, reference, island_params)
     if residuals is not None:
       pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
     # An island without weight (not synced this round) or whose
@@ -317,8 +355,8 @@ def make_island_sync(mesh, compression=None,
 
   return placement.island_map(
       island_sync, mesh,
-      in_specs=(REPLICATED, PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND,
-                REPLICATED),
+      in_specs=(PER_ISLAND if reference_per_island else REPLICATED,
+                PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND, REPLICATED),
       out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND, PER_ISLAND),
       # A compressed mean ends in an all_gather, whose result is the same
       # on every island but is typed as varying; the replicated out_specs
@@ -364,18 +402,29 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   round r + 1 starts from s_{r+1} = x_r. Round 0 applies nothing (s_0 = s_1
   = x_0); make_flush applies the last mean at the end of the run.
 
+  With `overlap` 'one_step_delay_rebase' the timing is the same, but no
+  island discards its round: its pseudo-gradient is taken against its
+  anchor a_i (where it started the round), and it starts round r + 1 from
+  x_r + (y_i - a_i), its own progress of round r rebased onto x_r, which
+  becomes its anchor. When D(r) lands (at the end of round r + 1) x takes
+  the islands' mean of that progress and each island's own copy of it is
+  dropped by the next rebase. An island left out of the mean (weight 0 or
+  diverged) starts from x_r alone.
+
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
     weights in the mean (tokens processed this round). `state` is donated.
   """
 
-  delayed = _is_delayed(overlap)
-  sync = make_island_sync(mesh, compression, rounding_seed, fsdp)
+  delayed, rebased = is_delayed(overlap), rebases(overlap)
+  sync = make_island_sync(mesh, compression, rounding_seed, fsdp,
+                          reference_per_island=rebased)
 
   def outer(state: TrainState, weights: jax.Array):
     mean, residuals, codec_state, included, finite = sync(
-        state.global_params, state.island_params, state.residuals,
-        state.codec_state, weights, state.round)
+        state.anchors if rebased else state.global_params,
+        state.island_params, state.residuals, state.codec_state, weights,
+        state.round)
     anyone = jnp.any(included)
     # With no island taking part, the codec state stays as it was.
     codec_state = jax.tree.map(lambda n, o: jnp.where(anyone, n, o),
@@ -405,12 +454,16 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
           lambda f, old: jnp.where(
               restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
           fresh, inner_opt_state)
+    if rebased:
+      island_params, anchors = rebase(state.island_params, state.anchors,
+                                      new_global, included)
+    else:
+      island_params, anchors = _stack(new_global, num_islands(state)), None
     state = state.replace(
         round=state.round + 1, global_params=new_global,
-        outer_opt_state=outer_state,
-        island_params=_stack(new_global, num_islands(state)),
-        inner_opt_state=inner_opt_state, residuals=residuals,
-        codec_state=codec_state)
+        outer_opt_state=outer_state, island_params=island_params,
+        anchors=anchors, inner_opt_state=inner_opt_state,
+        residuals=residuals, codec_state=codec_state)
     # The state keeps its declared layout, so the compiled steps take it.
     return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
@@ -422,18 +475,21 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   """Builds the jitted end of a one-step-delay run: flush(state) -> state.
 
   The mean still in flight after the last round is received and applied
-  (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x,
-  and the slot is emptied, so a run extended later starts its delay anew.
-  `state` is donated.
+  (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x
+  (with the rebasing delay, its anchor too: the last round's progress is
+  in x_R), and the slot is emptied, so a run extended later starts its
+  delay anew. `state` is donated.
   """
 
   def flush(state: TrainState) -> TrainState:
     new_global, outer_state = outer_update(
         outer_opt, state.global_params, state.outer_opt_state,
         state.in_flight, state.in_flight_valid)
+    island_params = _stack(new_global, num_islands(state))
     state = state.replace(
         global_params=new_global, outer_opt_state=outer_state,
-        island_params=_stack(new_global, num_islands(state)),
+        island_params=island_params,
+        anchors=None if state.anchors is None else island_params,
         in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
         in_flight_valid=jnp.zeros((), jnp.bool_))
     return placement.constrain(state, state_shardings(state, mesh, fsdp))
@@ -464,16 +520,17 @@ def resize_islands(state: TrainState, num_islands: int,
                    inner_opt: optax.GradientTransformation) -> TrainState:
   """Changes the number of islands, e.g. when a run restarts on a new fleet.
 
-  Islands that stay keep their params and inner optimizer state; new islands
-  start from the global params with a fresh inner optimizer state; removed
-  islands are dropped with whatever progress they made since the last outer
-  step.
+  Islands that stay keep their params, anchors and inner optimizer state;
+  new islands start from the global params (their anchor too) with a fresh
+  inner optimizer state; removed islands are dropped with whatever progress
+  they made since the last outer step.
   """
   old = jax.tree.leaves(state.island_params)[0].shape[0]
   kept = min(old, num_islands)
   added = num_islands - kept
   take = lambda tree: jax.tree.map(lambda y: y[:kept], tree)
   params = take(state.island_params)
+  anchors = take(state.anchors)
   opt_state = take(state.inner_opt_state)
   residuals = take(state.residuals)
   if added:
@@ -482,11 +539,13 @@ def resize_islands(state: TrainState, num_islands: int,
     join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
     params = jax.tree.map(join, params, new_params)
     opt_state = jax.tree.map(join, opt_state, new_opt_state)
+    if anchors is not None:
+      anchors = jax.tree.map(join, anchors, new_params)
     if residuals is not None:  # new islands have sent nothing yet
       residuals = jax.tree.map(
           join, residuals, _zero_residuals(state.global_params, added))
-  return state.replace(island_params=params, inner_opt_state=opt_state,
-                       residuals=residuals)
+  return state.replace(island_params=params, anchors=anchors,
+                       inner_opt_state=opt_state, residuals=residuals)
 
 
 def evaluation_params(state: TrainState, mode: str):

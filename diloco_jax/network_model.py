@@ -10,7 +10,8 @@ inner step taking `step_time_s` of compute. It covers
   diloco           H inner steps, then a blocking ring all-reduce of the
                    (compressed) pseudo-gradient;
   one_step_delay   (DiLoCoX) round r's all-reduce runs during round r + 1's
-                   compute and is applied a round late;
+                   compute and is applied a round late (its rebasing
+                   variant has the same timing);
   streaming        P fragments of ~1/P of the params each, fragment p synced
                    once per H steps at offset p H / P, its result needed
                    `fragment_delay` (tau) steps after it is sent.
@@ -535,10 +536,12 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
                     inner_steps=d.inner_steps,
                     ddp_hidden_fraction=ddp_hidden_fraction), link
   overlaps = d.get("outer_placement", "device") == "host"
+  # The rebasing delay sends and waits as the plain delay does.
+  delayed = d.get("overlap", "none") != "none"
   return Workload(
       "diloco", d.islands, step_time_s, sync_bytes,
       inner_steps=d.inner_steps,
-      overlap=d.get("overlap", "none") if overlaps else "none",
+      overlap="one_step_delay" if overlaps and delayed else "none",
       fragments=d.get("fragments", 1),
       fragment_delay=d.get("fragment_delay", 0) if overlaps else 0,
       apply_time_s=apply_time_s), link

@@ -17,7 +17,9 @@ devices waits for the inner steps queued there and they wait for it. On a
 device of its own, the collective of a round with
 overlap='one_step_delay' runs while the islands train the next round: the
 next round needs only x_r, which depends on the previous round's mean,
-already arrived.
+already arrived. With 'one_step_delay_rebase' the islands' anchors cross
+too (the pseudo-gradients are taken against them) but stay with the
+islands, which rebase their progress onto x_r themselves.
 
 Streaming DiLoCo's sends go there the same way, one fragment at a time:
 only that fragment's island leaves cross, the collective and the outer
@@ -166,6 +168,13 @@ def _assemble(blocks: dict, target, shape, axis: int = 0) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis)
 
 
+def _outer_side(state: diloco.TrainState) -> diloco.TrainState:
+  """The part of `state` the outer side holds: x and OUTER_FIELDS (the
+  islands' params, anchors and inner states stay with them)."""
+  return state.replace(island_params=None, inner_opt_state=None,
+                       anchors=None)
+
+
 def strip(state: diloco.TrainState) -> diloco.TrainState:
   """The islands' side of `state`: without the outer fields."""
   return state.replace(**{field: None for field in OUTER_FIELDS})
@@ -195,7 +204,8 @@ class HostOuter:
     self._fsdp = fsdp
     self._x_shardings = None  # where x lives on the compute devices
     self._islands = islands
-    self._delayed = overlap == "one_step_delay"
+    self._delayed = diloco.is_delayed(overlap)
+    self._rebased = diloco.rebases(overlap)
     self._fragments = fragments
     self._compression = compression_lib.as_compression(compression)
     self._inner_opt = inner_opt
@@ -203,7 +213,8 @@ class HostOuter:
     self._outer = None  # the outer side's TrainState (no island fields)
     sync = diloco.make_island_sync(
         self.mesh, compression, rounding_seed,
-        stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1)
+        stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
+        reference_per_island=self._rebased)
     self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
     # Streaming: per fragment, its jitted send, and where its leaves sit
     # among the params and the codec state (built from the state's layout).
@@ -212,8 +223,9 @@ class HostOuter:
 
     def send(outer, island_params, weights, start):
       """The collective of the pseudo-gradients start - y_i on the outer
-      devices (`start`: the x the islands started the round from); without
-      the delay, the outer optimizer's step on its mean too."""
+      devices (`start`: the x the islands started the round from, or with
+      the rebasing delay their anchors); without the delay, the outer
+      optimizer's step on its mean too."""
       mean, residuals, codec_state, included, _ = sync(
           start, island_params, outer.residuals,
           outer.codec_state, weights, outer.round)
@@ -249,9 +261,10 @@ class HostOuter:
     self._apply = jax.jit(apply)
     self._compiling = None  # a Future of (send, apply), compiled from shapes
 
-    def reset(state, x, restart, ends_round):
-      """Every island starts the next round from x; islands in `restart`
-      with a fresh inner optimizer state."""
+    def reset(state, x, restart, keep, ends_round):
+      """Every island starts the next round from x (with the rebasing
+      delay, islands in `keep` from x plus their progress); islands in
+      `restart` with a fresh inner optimizer state."""
       stacked = jax.tree.map(
           lambda v: jnp.broadcast_to(v, (islands,) + v.shape), x)
       fresh = optimizers.with_step_counts(
@@ -260,13 +273,17 @@ class HostOuter:
           lambda f, old: jnp.where(
               restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
           fresh, state.inner_opt_state)
-      state = state.replace(global_params=x, island_params=stacked,
-                            inner_opt_state=inner_opt_state,
+      island_params, anchors = stacked, None
+      if state.anchors is not None:
+        island_params, anchors = diloco.rebase(
+            state.island_params, state.anchors, x, keep)
+      state = state.replace(global_params=x, island_params=island_params,
+                            anchors=anchors, inner_opt_state=inner_opt_state,
                             round=state.round + int(ends_round))
       return placement.constrain(
           state, diloco.state_shardings(state, compute_mesh, fsdp))
 
-    self._reset = jax.jit(reset, donate_argnums=0, static_argnums=3)
+    self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
     self._finite = jax.jit(diloco.islands_finite)
 
   def compile_in_background(self, state) -> None:
@@ -275,12 +292,15 @@ class HostOuter:
     first round's end does not compile them. The first outer_step waits for
     the result."""
     island = NamedSharding(self.mesh, P(mesh_lib.ISLAND))
-    outer = state.replace(island_params=None, inner_opt_state=None)
+    outer = _outer_side(state)
     outer = placement.with_shardings(
         outer, diloco.state_shardings(outer, self.mesh))
-    island_params = jax.tree.map(
+    on_islands = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=island),
-        state.island_params)
+        tree)
+    island_params = on_islands(state.island_params)
+    start = (on_islands(state.anchors) if self._rebased
+             else outer.global_params)
     weights = jax.ShapeDtypeStruct((self._islands,), jnp.float32,
                                    sharding=island)
 
@@ -299,7 +319,7 @@ class HostOuter:
                        weights, step).compile()
             for p, send in enumerate(self._fragment_sends)]}
       compiled = {"_send": self._send.lower(outer, island_params, weights,
-                                            outer.global_params).compile()}
+                                            start).compile()}
       if self._delayed:
         compiled["_apply"] = self._apply.lower(outer).compile()
       return compiled
@@ -353,7 +373,7 @@ class HostOuter:
   def load(self, state: diloco.TrainState) -> diloco.TrainState:
     """Takes the outer fields of a whole `state` (as restored or
     initialized) to the outer devices; returns the islands' side."""
-    outer = state.replace(island_params=None, inner_opt_state=None)
+    outer = _outer_side(state)
     self._outer = move(outer, diloco.state_shardings(outer, self.mesh))
     self._x_shardings = diloco.state_shardings(
         outer, self._compute_mesh, self._fsdp).global_params
@@ -375,13 +395,18 @@ class HostOuter:
   def outer_step(self, state: diloco.TrainState, weights: jax.Array):
     """The round's end: the islands' params go out, x comes back."""
     self._use_compiled()
-    restart = ~self._finite(state)
+    finite = self._finite(state)
+    restart = ~finite
     if self._restart_dropped:
       restart = restart | (weights <= 0)
+    keep = finite & (weights > 0)  # the islands in this round's mean
     island_sharding = NamedSharding(self.mesh, P(mesh_lib.ISLAND))
     island_params = move(state.island_params, island_sharding)
     outer_weights = move(weights, island_sharding)
-    start = self._outer.global_params  # s_r, the x this round started from
+    if self._rebased:  # each island's a_i
+      start = move(state.anchors, island_sharding)
+    else:  # s_r, the x this round started from
+      start = self._outer.global_params
     if self._delayed:
       # x_r from the mean that has had this round to arrive; the new
       # collective is queued after it, on the outer devices only, so the
@@ -394,15 +419,14 @@ class HostOuter:
       self._outer = self._send(self._outer, island_params, outer_weights,
                                start)
       x = self._x_on_compute()
-    return self._reset(state, x, restart, True)
+    return self._reset(state, x, restart, keep, True)
 
   def flush(self, state: diloco.TrainState):
     """The end of a one-step-delay run: the last mean is applied."""
     self._use_compiled()
     self._outer = self._apply(self._outer)
-    islands = diloco.num_islands(state)
-    return self._reset(state, self._x_on_compute(),
-                       jnp.zeros((islands,), bool), False)
+    nobody = jnp.zeros((diloco.num_islands(state),), bool)
+    return self._reset(state, self._x_on_compute(), nobody, nobody, False)
 
   @property
   def sends(self) -> tuple:

@@ -99,7 +99,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
         inner_opt=inner_opt,
         restart_dropped=config.diloco.dropped_islands == "idle",
         overlap=config.diloco.overlap).lower(state, weights).compile()
-    if config.diloco.overlap == "one_step_delay":
+    if diloco.is_delayed(config.diloco.overlap):
       flush = diloco.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
   if mode == "diloco" and config.eval.island_mean:
     evaluate_island_mean = diloco.make_evaluate_island_mean(loss_fn).lower(

@@ -39,7 +39,8 @@ class Schedule:
       averages gradients inside its inner step).
     inner_steps: H.
     total_steps: the run's last step.
-    overlap: 'none' or 'one_step_delay' (DiLoCo's outer step).
+    overlap: config.diloco.overlap ('none', or a delayed one whose last
+      mean is flushed after the last outer step).
     fragments: P; streaming when `streaming` is set.
     fragment_delay: tau, inner steps between a fragment's send and merge.
     streaming: whether fragments are synced on their own schedules.
@@ -116,7 +117,7 @@ class Schedule:
       actions = []
       if step % self.inner_steps == 0 or step == self.total_steps:
         actions.append(Action(OUTER))
-        if self.overlap == "one_step_delay" and step == self.total_steps:
+        if self.overlap != "none" and step == self.total_steps:
           actions.append(Action(FLUSH))
       return actions
     # Pending merges first, so a fragment sent again at the last step

@@ -33,7 +33,8 @@ class StateSpec:
     compression: the codec settings (None outside 'diloco').
     error_feedback: whether the state keeps per-island residuals.
     seed: seeds the params and the codec state.
-    overlap: diloco.OVERLAPS; 'one_step_delay' keeps the update in flight.
+    overlap: diloco.OVERLAPS; a delayed one keeps the update in flight, and
+      'one_step_delay_rebase' the islands' anchors too.
     fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
       (the outer optimizer then keeps one state per fragment).
   """

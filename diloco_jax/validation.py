@@ -117,8 +117,8 @@ def _validate_streaming(config) -> None:
            "config.diloco.fragments, fragment_delay and fragment_alpha are "
            f"Streaming DiLoCo's; config.mode={config.mode!r}")
   _require(not (streaming and diloco_config.overlap != "none"),
-           "config.diloco.overlap='one_step_delay' and Streaming DiLoCo "
-           "(fragments, fragment_delay, fragment_alpha) are two ways to "
+           f"config.diloco.overlap={diloco_config.overlap!r} and Streaming "
+           "DiLoCo (fragments, fragment_delay, fragment_alpha) are two ways to "
            "overlap; choose one (fragment_delay overlaps a fragment's sync)")
   _require(not (streaming and diloco_config.dropped_islands == "idle"),
            "config.diloco.dropped_islands='idle' restarts whole islands at "

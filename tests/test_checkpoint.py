@@ -63,16 +63,26 @@ def _assert_identical_runs(a, b):
     assert ra["comm_bytes"] == rb["comm_bytes"]
 
 
+def forget_after(whole: str, resumed: str, step: int) -> None:
+  """Copies the finished run in `whole` to `resumed` as if it had been
+  killed just after `step`: the later checkpoints and the summary gone.
+  The next run in `resumed` resumes from a checkpoint `whole` wrote, so
+  its end must be `whole`'s end, bit for bit."""
+  shutil.copytree(whole, resumed)
+  checkpoints = os.path.join(resumed, "checkpoints")
+  for saved in os.listdir(checkpoints):
+    if saved.isdigit() and int(saved) > step:
+      shutil.rmtree(os.path.join(checkpoints, saved))
+  os.remove(os.path.join(resumed, "summary.json"))
+
+
 def check_resume_from_round_2(make_config, tmp_path):
-  """Runs a 12-step, 3-step-round config whole and again with everything
-  after round 2 forgotten (as if killed there), resumes it, and checks that
-  both runs end identical. make_config() must keep checkpoints 3..12."""
+  """Runs a 12-step, 3-step-round config whole, forgets everything after
+  round 2 (as if killed there), resumes it, and checks that both runs end
+  identical. make_config() must keep checkpoints 3..12."""
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
   train.train_and_evaluate(make_config(), whole)
-  train.train_and_evaluate(make_config(), resumed)
-  for step in ("9", "12"):
-    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
-  os.remove(os.path.join(resumed, "summary.json"))
+  forget_after(whole, resumed, 6)
   train.train_and_evaluate(make_config(), resumed)
   _assert_identical_runs(whole, resumed)
 

@@ -18,7 +18,6 @@ that; the per-step losses must agree to 1e-5.
 import json
 import os
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from diloco_jax import placement
 from diloco_jax import train
 from diloco_jax.placement import PER_ISLAND, REPLICATED
 from tests import helpers
+from tests import test_checkpoint
 
 INT8 = codecs.DenseCodec("int8", 64)
 VARIANTS = {
@@ -267,10 +267,8 @@ def test_resume_on_another_placement(tmp_path, before, after):
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
   reference = train.train_and_evaluate(config(k_before), whole,
                                        devices=jax.devices()[:d_before])
-  shutil.copytree(whole, resumed)
-  for step in ("8",):  # as if killed after the checkpoint at step 4
-    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
-  os.remove(os.path.join(resumed, "summary.json"))
+  # As if killed after the checkpoint at step 4.
+  test_checkpoint.forget_after(whole, resumed, 4)
   summary = train.train_and_evaluate(config(k_after), resumed,
                                      devices=jax.devices()[:d_after])
   assert summary["islands"] == k_after

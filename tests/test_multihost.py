@@ -239,7 +239,7 @@ def test_an_island_spread_over_two_processes(tmp_path):
   # One island whose 'data' devices are on two processes: the gradient
   # all-reduce crosses them; both read the island's batch and place half.
   extra = ("--config.diloco.islands=1", "--config.mesh.data=2",
-           "--config.data.batch_size=4")
+           "--config.data.batch_size=4", "--config.total_steps=6")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _one_process(one, *extra)
   _run(2, two, *extra)
@@ -268,24 +268,13 @@ def test_a_run_processes_cannot_share_is_one_clear_error(tmp_path, extra,
   assert not workdir.exists()  # nothing written
 
 
-def test_sigterm_stops_every_process_at_one_step_and_resumes(
+def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
     two_processes_c4, c4_dir, tmp_path):
-  workdir = str(tmp_path / "stopped")
-  flags = (*_C4_FLAGS, f"--config.data.path={c4_dir}")
-  launcher = _launch(2, workdir, *flags)
-  _wait_for_step(workdir, launcher, 5)
-  launcher.send_signal(signal.SIGTERM)
-  output, _ = launcher.communicate(timeout=120)
-  assert launcher.returncode != 0, output[-2000:]
-  assert not os.path.exists(os.path.join(workdir, "summary.json"))
-  output = _run(2, workdir, *flags)
-  assert "resuming from the checkpoint at step" in output
-  test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
-
-
-def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
-    two_processes_c4, c4_dir, tmp_path):
-  workdir = str(tmp_path / "killed")
+  # One run through both ways a multi-host run ends early: a process that
+  # dies (the launcher must stop the others within a bounded time, leaving
+  # nothing behind), then, after resuming, a SIGTERM (every process stops
+  # at the same step); the last rerun must end as the uninterrupted run.
+  workdir = str(tmp_path / "interrupted")
   flags = (*_C4_FLAGS, f"--config.data.path={c4_dir}")
   launcher = _launch(2, workdir, *flags)
   _wait_for_step(workdir, launcher, 4)
@@ -302,6 +291,15 @@ def test_a_killed_process_stops_the_run_and_a_rerun_resumes(
   for pid in children:  # nothing is left behind
     assert not os.path.exists(f"/proc/{pid}") or open(
         f"/proc/{pid}/stat").read().split()[2] == "Z"
+  # Resumed (the kill came at step 4 or a little later, so the metrics
+  # hold fewer than 8 steps until the rerun writes them), then stopped.
+  launcher = _launch(2, workdir, *flags)
+  _wait_for_step(workdir, launcher, 8)
+  launcher.send_signal(signal.SIGTERM)
+  output, _ = launcher.communicate(timeout=120)
+  assert "resuming from the checkpoint at step" in output
+  assert launcher.returncode != 0, output[-2000:]
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
   output = _run(2, workdir, *flags)
   assert "resuming from the checkpoint at step" in output
   test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)

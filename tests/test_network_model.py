@@ -370,11 +370,12 @@ def test_from_config_reads_a_run_s_config():
     workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
     assert (workload.fragments, workload.delay_steps) == (4, delay)
   config.diloco.fragments, config.diloco.fragment_delay = 1, 0
-  config.diloco.overlap = "one_step_delay"
-  for placement, delay in (("device", 0), ("host", 20)):
-    config.diloco.outer_placement = placement
-    assert nm.from_config(config, 0.25, 2 * GBIT,
-                          params=tree)[0].delay_steps == delay
+  for overlap in ("one_step_delay", "one_step_delay_rebase"):  # one timing
+    config.diloco.overlap = overlap
+    for placement, delay in (("device", 0), ("host", 20)):
+      config.diloco.outer_placement = placement
+      assert nm.from_config(config, 0.25, 2 * GBIT,
+                            params=tree)[0].delay_steps == delay
   # DDP counts float32 gradients, as accounting.LinkBytes does.
   config.mode, config.diloco.overlap = "ddp", "none"
   workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)

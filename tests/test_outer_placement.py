@@ -1,7 +1,6 @@
 """The outer step on devices of its own (config.diloco.outer_placement)."""
 
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +18,16 @@ from diloco_jax import placement
 from diloco_jax import train
 from diloco_jax import validation
 from tests import helpers
+from tests import test_checkpoint
 from tests import test_multihost
 from tests import test_streaming
 
 
-@pytest.mark.parametrize("overlap", ["none", "one_step_delay"])
-@pytest.mark.parametrize("codec,error_feedback", [("fp32", False),
-                                                  ("int8", True)])
+@pytest.mark.parametrize("overlap,codec,error_feedback", [
+    ("none", "fp32", False), ("none", "int8", True),
+    ("one_step_delay", "fp32", False), ("one_step_delay", "int8", True),
+    # The anchors cross to the outer device; the islands rebase at home.
+    ("one_step_delay_rebase", "int8", True)])
 def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                                       error_feedback):
   islands = 4
@@ -61,7 +63,7 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
     on_device = outer(moved(on_device, key, shardings), weights)
     on_host = host.outer_step(moved(on_host, key, stripped_shardings),
                               weights)
-  if overlap == "one_step_delay":
+  if overlap != "none":
     on_device = diloco.make_flush(outer_opt, mesh)(on_device)
     on_host = host.flush(on_host)
   whole = host.assemble(on_host)
@@ -155,15 +157,14 @@ FSDP = {"diloco.islands": 2, "mesh.data": 2, "mesh.fsdp": True,
         "diloco.error_feedback": True}
 
 
-# Without the delay, the outer step's host path is checked on its own
-# (test_the_host_outer_step_equals_the_on_device_one); FSDP streaming runs
-# on 2 processes in test_multihost.
-@pytest.mark.parametrize("overrides", [
-    {"diloco.overlap": "one_step_delay"},
-    {"diloco.overlap": "one_step_delay", **FSDP}],
-                         ids=["one_step_delay", "fsdp_delay"])
+# The outer step's host path is checked on its own for every overlap
+# (test_the_host_outer_step_equals_the_on_device_one); runs with the plain
+# delay and with streaming, FSDP islands on 2 processes, in test_multihost;
+# a resume onto the host with the rebasing delay below; and here FSDP
+# islands with the rebasing delay (the anchors cross in the FSDP stripes).
 def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
-    tmp_path, overrides):
+    tmp_path):
+  overrides = {"diloco.overlap": "one_step_delay_rebase", **FSDP}
   host, device = str(tmp_path / "host"), str(tmp_path / "device")
   summary = train.train_and_evaluate(_config(**{
       **overrides, "diloco.outer_placement": "host"}), host)
@@ -212,28 +213,21 @@ def test_a_streaming_run_with_its_sends_on_their_own_device_equals_on_device(
   summary = train.train_and_evaluate(on_host, host)
   assert summary["outer_placement"] == "host" and summary["fragments"] == 2
   test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
-  checkpoints = os.path.join(host, "checkpoints")
-  for step in os.listdir(checkpoints):
-    if int(step) > 5:
-      shutil.rmtree(os.path.join(checkpoints, step))
-  os.remove(os.path.join(host, "summary.json"))
-  train.train_and_evaluate(on_host, host)
-  test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
+  resumed = str(tmp_path / "resumed")
+  test_checkpoint.forget_after(host, resumed, 5)
+  train.train_and_evaluate(on_host, resumed)
+  test_checkpoint._assert_identical_runs(host, resumed)  # pylint: disable=protected-access
 
 
 def test_resume_moves_the_outer_state_either_way(tmp_path):
   """Checkpoints are the same pytree whatever the placement: a run saved
-  on the device resumes with the outer step on the host, mid-round and
-  with a mean in flight, and ends as the uninterrupted run."""
-  delayed = {"diloco.overlap": "one_step_delay"}
+  on the device resumes with the outer step on the host, mid-round, with a
+  mean in flight and the islands' anchors (the rebasing delay), and ends
+  as the uninterrupted run."""
+  delayed = {"diloco.overlap": "one_step_delay_rebase"}
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
   train.train_and_evaluate(_config(**delayed), whole)
-  train.train_and_evaluate(_config(**delayed), resumed)
-  checkpoints = os.path.join(resumed, "checkpoints")
-  for step in os.listdir(checkpoints):
-    if int(step) > 8:
-      shutil.rmtree(os.path.join(checkpoints, step))
-  os.remove(os.path.join(resumed, "summary.json"))
+  test_checkpoint.forget_after(whole, resumed, 8)
   train.train_and_evaluate(_config(**delayed, **{
       "diloco.outer_placement": "host"}), resumed)
   test_multihost._assert_close_runs(whole, resumed)  # pylint: disable=protected-access

@@ -4,10 +4,13 @@ The schedule: s_0 = s_1 = x_0; at the end of round r every island sends
 d_i(r) = s_r - y_i, the outer step applies the mean that was in flight,
 x_r = OuterOpt(x_{r-1}, D(r - 1)), and round r + 1 starts from s_{r+1} = x_r;
 the last mean is applied when the run ends.
+
+The rebasing variant ('one_step_delay_rebase') sends d_i(r) = a_i - y_i
+against each island's anchor a_i and starts round r + 1 from
+x_r + (y_i - a_i), its new anchor; an island left out of the mean starts
+from x_r.
 """
 
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -49,20 +52,18 @@ def _random_deltas(key, params, islands):
 
 
 def _delayed_setup(islands, data=1, fsdp=False, compression=None,
-                   error_feedback=False):
+                   error_feedback=False, overlap="one_step_delay"):
   params, _ = helpers.tiny_problem()
   params = jax.tree.map(np.array, params)
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
   state = diloco.init_state(params, inner_opt, outer_opt, islands,
-                            error_feedback, compression,
-                            overlap="one_step_delay")
+                            error_feedback, compression, overlap=overlap)
   shardings = diloco.state_shardings(state, mesh, fsdp)
   state = jax.device_put(state, shardings)
   outer = diloco.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
-                                 inner_opt=inner_opt,
-                                 overlap="one_step_delay")
+                                 inner_opt=inner_opt, overlap=overlap)
   flush = diloco.make_flush(outer_opt, mesh, fsdp)
   return params, mesh, shardings, state, outer, flush
 
@@ -125,6 +126,98 @@ def test_x_follows_the_hand_written_delayed_schedule(islands, data, fsdp):
   assert not bool(state.in_flight_valid)
   helpers.assert_trees_close(
       state.in_flight, jax.tree.map(np.zeros_like, x), rtol=0, atol=0)
+
+
+def _nesterov_tree(x, momentum, update):
+  pairs = jax.tree.map(_nesterov, x, momentum, update)
+  first = lambda i: jax.tree.map(lambda p: p[i], pairs,
+                                 is_leaf=lambda t: isinstance(t, tuple))
+  return first(0), first(1)
+
+
+@pytest.mark.parametrize("islands,data,fsdp", [
+    (4, 1, False),  # folded: several islands per device
+    (2, 2, True),   # sharded: each island's params split over 2 devices
+])
+def test_rebasing_keeps_each_islands_progress_by_hand(islands, data, fsdp):
+  """3 rounds by hand: the islands' y, anchors and x, with an island left
+  out of round 1 (weight 0) and one diverged in round 2."""
+  params, mesh, shardings, state, outer, flush = _delayed_setup(
+      islands, data, fsdp, overlap="one_step_delay_rebase")
+  x = jax.tree.map(np.float32, params)
+  momentum = jax.tree.map(np.zeros_like, x)
+  anchors = jax.tree.map(
+      lambda p: np.broadcast_to(p, (islands,) + p.shape), x)
+  in_flight = None
+  key = jax.random.key(0)
+  for r in range(3):
+    weights = np.array([1.0, 3.0, 2.0, 2.0][:islands])
+    if r == 1:
+      weights[1] = 0.0  # island 1's round is not synced
+    deltas = jax.tree.map(np.asarray, _random_deltas(
+        jax.random.fold_in(key, r), params, islands))
+    # The islands train from where they are (their anchors).
+    y = jax.tree.map(np.subtract, anchors, deltas)
+    if r == 2:  # island 0 diverged
+      y = jax.tree.map(lambda v: v.copy(), y)
+      jax.tree.map(lambda v: v.__setitem__(0, np.nan), y)
+    state = _set_islands(state, y, shardings)
+    state = outer(state, _weights(weights, mesh))
+    included = weights > 0
+    if r == 2:
+      included[0] = False
+    w = np.where(included, weights, 0.0)
+    # d_i = a_i - y_i = delta_i, weighted by tokens, left-out islands not.
+    mean = jax.tree.map(lambda d: np.tensordot(
+        w / w.sum(), np.where(included.reshape((-1,) + (1,) * (d.ndim - 1)),
+                              d, 0.0), axes=1), deltas)
+    if in_flight is not None:  # D(r - 1) lands now
+      x, momentum = _nesterov_tree(x, momentum, in_flight)
+    in_flight = mean
+    # Each included island goes on from x_r plus its own progress; the
+    # others from x_r alone.
+    anchors = jax.tree.map(
+        lambda x_, d: np.where(
+            included.reshape((-1,) + (1,) * x_.ndim), x_[None] - d,
+            np.broadcast_to(x_, d.shape)), x, deltas)
+    helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(state.island_params, anchors, rtol=1e-5,
+                               atol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.device_get(state.anchors),
+                 jax.device_get(state.island_params))
+    if r == 0:  # s_1 = x_0: nothing lands in round 0, nothing is lost
+      helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
+      helpers.assert_trees_close(state.island_params, y, rtol=0, atol=1e-7)
+  state = flush(state)
+  x, _ = _nesterov_tree(x, momentum, in_flight)
+  helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+  stacked = jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
+                         jax.device_get(state.global_params))
+  for tree in (state.island_params, state.anchors):
+    helpers.assert_trees_close(tree, stacked, rtol=0, atol=0)
+  assert not bool(state.in_flight_valid)
+
+
+def test_resizing_keeps_the_anchors_of_the_islands_that_stay():
+  params, _ = helpers.tiny_problem()
+  inner_opt = optax.adam(1e-2)
+  state = diloco.init_state(params, inner_opt, optax.sgd(LR), 3,
+                            overlap="one_step_delay_rebase")
+  moved = jax.tree.map(lambda a: a - 0.5, state.anchors)
+  state = state.replace(anchors=moved, island_params=moved)
+  fewer = diloco.resize_islands(state, 2, inner_opt)
+  helpers.assert_trees_close(
+      fewer.anchors, jax.tree.map(lambda a: a[:2], moved), rtol=0, atol=0)
+  more = diloco.resize_islands(state, 5, inner_opt)
+  helpers.assert_trees_close(
+      more.anchors, jax.tree.map(
+          lambda a, x: jnp.concatenate([a, jnp.stack([x, x])]), moved,
+          params), rtol=0, atol=0)
+  # A new island's anchor is where it starts: its progress is zero.
+  helpers.assert_trees_close(more.anchors, more.island_params, rtol=0,
+                             atol=0)
 
 
 @pytest.mark.parametrize("codec,error_feedback", [
@@ -238,14 +331,9 @@ def test_resume_with_an_update_in_flight_is_exact(tmp_path):
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
   summary = train.train_and_evaluate(_config(), whole)
   assert summary["overlap"] == "one_step_delay"
-  train.train_and_evaluate(_config(), resumed)
-  checkpoints = os.path.join(resumed, "checkpoints")
   saved = test_checkpoint._final_state(whole)  # pylint: disable=protected-access
   assert not saved["in_flight_valid"]  # the last mean was applied
-  for step in os.listdir(checkpoints):
-    if int(step) > 8:
-      shutil.rmtree(os.path.join(checkpoints, step))
-  os.remove(os.path.join(resumed, "summary.json"))
+  test_checkpoint.forget_after(whole, resumed, 8)
   train.train_and_evaluate(_config(), resumed)
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
 

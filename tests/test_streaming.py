@@ -1,7 +1,5 @@
 """Streaming DiLoCo: fragments, their staggered schedule, send and merge."""
 
-import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -233,12 +231,7 @@ def test_resume_with_a_fragment_in_flight_is_exact(tmp_path):
   config = lambda: _config(**{"diloco.codec": "int8",
                               "diloco.error_feedback": True})
   train.train_and_evaluate(config(), whole)
-  train.train_and_evaluate(config(), resumed)
-  checkpoints = os.path.join(resumed, "checkpoints")
-  for step in os.listdir(checkpoints):
-    if int(step) > stop_after:
-      shutil.rmtree(os.path.join(checkpoints, step))
-  os.remove(os.path.join(resumed, "summary.json"))
+  test_checkpoint.forget_after(whole, resumed, stop_after)
   train.train_and_evaluate(config(), resumed)
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
 

@@ -12,16 +12,26 @@ from experiments import iid_vs_noniid
 from experiments import k_sweep
 from experiments import outer_optimizers
 from experiments import outer_vs_island_mean
+from experiments import overlaps
 from experiments import sign_pruning
 from experiments import study_lib
 from experiments import table2
 
 STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
-           sign_pruning, codecs, outer_vs_island_mean)
+           sign_pruning, codecs, outer_vs_island_mean, overlaps)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+  """One runs directory for the studies a test process runs: as with
+  `--runs`, a point several studies share (the reference DiLoCo run) runs
+  once and the others read it back."""
+  return str(tmp_path_factory.mktemp("study_runs"))
 
 
 @pytest.mark.parametrize("module", STUDIES, ids=lambda m: m.STUDY.name)
 def test_each_study_runs_quick_and_writes_json_png_and_table(module,
+                                                             shared_runs,
                                                              tmp_path):
   study = module.STUDY
   # The spread over seeds is study_lib's, the same for every study: the H
@@ -29,8 +39,8 @@ def test_each_study_runs_quick_and_writes_json_png_and_table(module,
   # checks their points, runs and outputs in half the time.
   seeds = list(range(study_lib.QUICK_SEEDS if module is h_sweep else 1))
   out = tmp_path / "out"
-  results = study_lib.run_study(study, str(tmp_path / "runs"), seeds,
-                                quick=True, out_dir=str(out))
+  results = study_lib.run_study(study, shared_runs, seeds, quick=True,
+                                out_dir=str(out))
   with open(out / f"{study.name}.json") as f:
     assert json.load(f) == json.loads(json.dumps(results))
   with open(out / f"{study.name}.png", "rb") as f:
