@@ -16,12 +16,15 @@ ways this codebase lets the collective run beside local training:
                          overlapping tau = 5 inner steps, merged with
                          alpha = 0.5;
   streaming_fp4 and diloco_fp4: the same with pseudo-gradients sent as
-                         4-bit floats (e2m1), as Streaming DiLoCo sends them.
+                         4-bit floats (e2m1), as Streaming DiLoCo sends them;
+  *_m0.5                 both delays with the outer momentum at 0.5 instead
+                         of 0.9: a one-round-stale update under heavy
+                         momentum overshoots.
 
 DiLoCoX reports a negligible loss from the one-step delay; Streaming DiLoCo
 finds its overlap and 4-bit outer gradients cost little against DiLoCo.
 
-Full run: 6 points x 3 seeds; the runs take about 18 minutes on 2 CPU cores.
+Full run: 8 points x 3 seeds; the runs take about 30 minutes on 2 CPU cores.
 """
 
 from experiments import study_lib
@@ -29,6 +32,7 @@ from experiments import study_lib
 _STREAMING = {"diloco.fragments": 2, "diloco.fragment_delay": 5,
               "diloco.fragment_alpha": 0.5}
 _FP4 = {"diloco.codec": "fp4"}
+_M05 = {"diloco.outer_optimizer.momentum": 0.5}
 
 STUDY = study_lib.Study(
     name="overlaps",
@@ -45,6 +49,12 @@ STUDY = study_lib.Study(
         study_lib.Point("streaming", _STREAMING),
         study_lib.Point("streaming_fp4", {**_STREAMING, **_FP4}),
         study_lib.Point("diloco_fp4", _FP4),
+        # A stale update under heavy momentum: the delays with the outer
+        # momentum at 0.5 (the outer optimizers study's better setting).
+        study_lib.Point("one_step_delay_m0.5",
+                        {"diloco.overlap": "one_step_delay", **_M05}),
+        study_lib.Point("one_step_delay_rebase_m0.5",
+                        {"diloco.overlap": "one_step_delay_rebase", **_M05}),
     ),
     reference="diloco",
     plot=study_lib.bar_plot,
