@@ -182,6 +182,34 @@ def rebase(island_params, anchors, x, keep: jax.Array):
   return island_params, island_params
 
 
+def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
+               inner_opt: optax.GradientTransformation | None = None
+               ) -> TrainState:
+  """`state` with x and every island set up for the next round (traceable).
+
+  Every island starts from x; with anchors (the rebasing delay) an island
+  in `keep` [islands] starts from x plus its progress (see `rebase`).
+  Given `inner_opt`, islands in `restart` [islands] also get a fresh inner
+  optimizer state, counted from the current step so the learning rate
+  schedule goes on.
+  """
+  inner_opt_state = state.inner_opt_state
+  if inner_opt is not None:
+    fresh = optimizers.with_step_counts(
+        jax.vmap(inner_opt.init)(_stack(x, num_islands(state))), state.step)
+    inner_opt_state = jax.tree.map(
+        lambda f, old: jnp.where(
+            restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
+        fresh, inner_opt_state)
+  if state.anchors is None:
+    island_params, anchors = _stack(x, num_islands(state)), None
+  else:
+    island_params, anchors = rebase(state.island_params, state.anchors, x,
+                                    keep)
+  return state.replace(global_params=x, island_params=island_params,
+                       anchors=anchors, inner_opt_state=inner_opt_state)
+
+
 def outer_update(outer_opt, global_params, outer_opt_state, update,
                  takes_effect):
   """(x, outer state) after the outer optimizer's step on `update`, or both
@@ -442,28 +470,12 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
       new_global, outer_state = outer_update(
           outer_opt, state.global_params, state.outer_opt_state, mean,
           anyone)
-    inner_opt_state = state.inner_opt_state
-    if inner_opt is not None:
-      fresh = optimizers.with_step_counts(
-          jax.vmap(inner_opt.init)(_stack(new_global, num_islands(state))),
-          state.step)
-      restart = ~finite
-      if restart_dropped:
-        restart = restart | (weights <= 0)
-      inner_opt_state = jax.tree.map(
-          lambda f, old: jnp.where(
-              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
-          fresh, inner_opt_state)
-    if rebased:
-      island_params, anchors = rebase(state.island_params, state.anchors,
-                                      new_global, included)
-    else:
-      island_params, anchors = _stack(new_global, num_islands(state)), None
-    state = state.replace(
-        round=state.round + 1, global_params=new_global,
-        outer_opt_state=outer_state, island_params=island_params,
-        anchors=anchors, inner_opt_state=inner_opt_state,
-        residuals=residuals, codec_state=codec_state)
+    restart = ~finite
+    if restart_dropped:
+      restart = restart | (weights <= 0)
+    state = next_round(state, new_global, restart, included, inner_opt)
+    state = state.replace(round=state.round + 1, outer_opt_state=outer_state,
+                          residuals=residuals, codec_state=codec_state)
     # The state keeps its declared layout, so the compiled steps take it.
     return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
@@ -485,11 +497,9 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
     new_global, outer_state = outer_update(
         outer_opt, state.global_params, state.outer_opt_state,
         state.in_flight, state.in_flight_valid)
-    island_params = _stack(new_global, num_islands(state))
-    state = state.replace(
-        global_params=new_global, outer_opt_state=outer_state,
-        island_params=island_params,
-        anchors=None if state.anchors is None else island_params,
+    nobody = jnp.zeros((num_islands(state),), jnp.bool_)
+    state = next_round(state, new_global, nobody, nobody).replace(
+        outer_opt_state=outer_state,
         in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
         in_flight_valid=jnp.zeros((), jnp.bool_))
     return placement.constrain(state, state_shardings(state, mesh, fsdp))

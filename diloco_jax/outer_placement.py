@@ -47,7 +47,6 @@ from diloco_jax import compression as compression_lib
 from diloco_jax import diloco
 from diloco_jax import fragments as fragments_lib
 from diloco_jax import mesh as mesh_lib
-from diloco_jax import optimizers
 from diloco_jax import placement
 
 PLACEMENTS = ("device", "host")
@@ -262,24 +261,9 @@ class HostOuter:
     self._compiling = None  # a Future of (send, apply), compiled from shapes
 
     def reset(state, x, restart, keep, ends_round):
-      """Every island starts the next round from x (with the rebasing
-      delay, islands in `keep` from x plus their progress); islands in
-      `restart` with a fresh inner optimizer state."""
-      stacked = jax.tree.map(
-          lambda v: jnp.broadcast_to(v, (islands,) + v.shape), x)
-      fresh = optimizers.with_step_counts(
-          jax.vmap(inner_opt.init)(stacked), state.step)
-      inner_opt_state = jax.tree.map(
-          lambda f, old: jnp.where(
-              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
-          fresh, state.inner_opt_state)
-      island_params, anchors = stacked, None
-      if state.anchors is not None:
-        island_params, anchors = diloco.rebase(
-            state.island_params, state.anchors, x, keep)
-      state = state.replace(global_params=x, island_params=island_params,
-                            anchors=anchors, inner_opt_state=inner_opt_state,
-                            round=state.round + int(ends_round))
+      """The islands' side for the next round (diloco.next_round)."""
+      state = diloco.next_round(state, x, restart, keep, inner_opt).replace(
+          round=state.round + int(ends_round))
       return placement.constrain(
           state, diloco.state_shardings(state, compute_mesh, fsdp))
 
