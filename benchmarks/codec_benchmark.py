@@ -55,9 +55,14 @@ def main(argv):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from diloco_jax import communication, compression as compression_lib, diloco, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib, optimizers, placement  # pylint: disable=g-import-not-at-top
-  from diloco_jax.placement import PER_ISLAND, REPLICATED  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import communication
+  from diloco_jax.algorithm import compression as compression_lib
+  from diloco_jax.algorithm import diloco
+  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib
+  from diloco_jax.algorithm import optimizers
+  from diloco_jax.parallel import placement  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED  # pylint: disable=g-import-not-at-top
 
   config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
   names = _CODECS.value or list(compression_lib.CODECS)

@@ -88,8 +88,12 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", 4)
   from configs import c4_150m, default  # pylint: disable=g-import-not-at-top
-  from diloco_jax import checkpointing, diloco, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib, optimizers, train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.algorithm import diloco
+  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib
+  from diloco_jax.algorithm import optimizers
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
 
   with tempfile.TemporaryDirectory() as tmp:
     # 1. Data pipeline, on one core.

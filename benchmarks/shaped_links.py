@@ -310,7 +310,7 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
 
 def _model(config_dict: dict, step_s: float, mbit: float) -> dict:
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from diloco_jax import network_model  # pylint: disable=g-import-not-at-top
+  from diloco_jax.analysis import network_model  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config_dict)
   return network_model.run_estimate(config, step_time_s=step_s,
                                     bandwidth_bits_per_s=mbit * 1e6,

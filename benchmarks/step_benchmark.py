@@ -78,7 +78,10 @@ class InnerSteps:
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-    from diloco_jax import diloco, mesh as mesh_lib, model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
+    from diloco_jax.algorithm import diloco
+    from diloco_jax.parallel import mesh as mesh_lib
+    from diloco_jax.model import transformer as model_lib
+    from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
     self.tokens_per_step = islands * batch_size * config.data.sequence_length
     mesh = mesh_lib.build_mesh(islands, devices=jax.devices()[:1])
     loss_fn = functools.partial(model_lib.next_token_loss,
@@ -122,7 +125,8 @@ def _plain_steps(config):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib, optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib
+  from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
   loss_fn = functools.partial(model_lib.next_token_loss,
                               model_lib.graphdef(config.model))
   opt = optimizers.inner_optimizer(config.inner_optimizer, config.total_steps)
@@ -154,7 +158,7 @@ def _matmul_flops_per_s(dtype_name: str, on_cpu: bool) -> float:
   """The best of two square matmuls in the compute dtype, in FLOP/s."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from diloco_jax import flops  # pylint: disable=g-import-not-at-top
+  from diloco_jax.analysis import flops  # pylint: disable=g-import-not-at-top
   dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
   best = 0.0
   for n in ((1024, 2048) if on_cpu else (4096, 8192)):
@@ -175,7 +179,8 @@ def _matmul_flops_per_s(dtype_name: str, on_cpu: bool) -> float:
 
 def _step_section(config) -> None:
   import jax  # pylint: disable=g-import-not-at-top
-  from diloco_jax import flops, model as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.analysis import flops
+  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
   inner = InnerSteps(config, 1, config.data.batch_size)

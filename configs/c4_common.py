@@ -6,7 +6,7 @@ outer Nesterov lr 0.7 momentum 0.9, 8 workers, H=500, 88k steps.
 The C4 data path (config.data.path) is required.
 """
 
-from diloco_jax import config_schema
+from diloco_jax.config import schema as config_schema
 
 
 def c4_config(num_layers: int, d_model: int, num_heads: int, head_dim: int,

@@ -6,7 +6,7 @@ so it needs no download. Compare with the baselines on the same budget:
   --config.mode=ddp      (gradients all-reduced every step, 4x batch)
 """
 
-from diloco_jax import config_schema
+from diloco_jax.config import schema as config_schema
 
 
 def get_config():

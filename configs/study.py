@@ -13,7 +13,7 @@ the tests run.
 """
 
 from configs import tiny
-from diloco_jax import config_schema
+from diloco_jax.config import schema as config_schema
 
 
 def get_config(arg: str = ""):

@@ -1,6 +1,6 @@
 """A seconds-long run for tests and smoke checks: 2 islands, a tiny model."""
 
-from diloco_jax import config_schema
+from diloco_jax.config import schema as config_schema
 
 
 def get_config():

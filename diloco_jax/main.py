@@ -62,8 +62,8 @@ def _configure_devices(config) -> None:
   """
   # pylint: disable=g-import-not-at-top
   import jax
-  from diloco_jax import multihost
-  from diloco_jax import validation
+  from diloco_jax.parallel import multihost
+  from diloco_jax.config import validation
   # pylint: enable=g-import-not-at-top
   if "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
@@ -102,12 +102,12 @@ def main(argv):
   config = _CONFIG.value
   _configure_devices(config)
   # pylint: disable=g-import-not-at-top
-  from diloco_jax import checkpointing
-  from diloco_jax import guards
-  from diloco_jax import stops
-  from diloco_jax import train
-  from diloco_jax import validation
-  from diloco_jax import workdir
+  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.algorithm import guards
+  from diloco_jax.run import stops
+  from diloco_jax.run import train
+  from diloco_jax.config import validation
+  from diloco_jax.run import workdir
   from diloco_jax.data import errors as data_errors
   # pylint: enable=g-import-not-at-top
   try:

@@ -17,8 +17,8 @@ computes; nothing is fitted to the papers' figures.
 from absl import app
 from absl import flags
 
-from diloco_jax import codecs
-from diloco_jax import network_model as nm
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.analysis import network_model as nm
 
 # Streaming DiLoCo sends 4-bit floats; int4 sends as many bytes where this
 # tree's codecs have no fp4.

@@ -79,7 +79,7 @@ def base_config(study: Study, quick: bool):
   """configs/study.py (its quick version) with the study's overrides."""
   # pylint: disable=g-import-not-at-top
   from configs import study as study_config
-  from diloco_jax import config_schema
+  from diloco_jax.config import schema as config_schema
   # pylint: enable=g-import-not-at-top
   return config_schema.override(
       study_config.get_config("quick" if quick else ""), study.base_overrides)
@@ -96,7 +96,7 @@ def study_points(study: Study, quick: bool) -> list[Point]:
 
 def point_config(study: Study, point: Point, seed: int, quick: bool):
   """The config of one run: base, quick settings, study, point, seed."""
-  from diloco_jax import config_schema  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import schema as config_schema  # pylint: disable=g-import-not-at-top
   config = config_schema.override(base_config(study, quick), point.overrides)
   return config_schema.override(config, {"seed": seed, "data.seed": seed})
 
@@ -133,8 +133,8 @@ def run_point(study: Study, point: Point, seed: int, runs_dir: str,
               quick: bool) -> dict:
   """Runs (or resumes, or reads back) one point at one seed."""
   # pylint: disable=g-import-not-at-top
-  from diloco_jax import guards
-  from diloco_jax import train
+  from diloco_jax.algorithm import guards
+  from diloco_jax.run import train
   # pylint: enable=g-import-not-at-top
   config = point_config(study, point, seed, quick)
   workdir = run_workdir(runs_dir, config)
@@ -445,7 +445,7 @@ def main(study: Study):
     logging.set_verbosity(logging.WARNING)  # one line per run instead
     seeds = list(range(QUICK_SEEDS if _QUICK.value else _SEEDS.value))
     out_dir = _OUT.value or os.path.join(runs_dir, study.name)
-    from diloco_jax import stops  # pylint: disable=g-import-not-at-top
+    from diloco_jax.run import stops  # pylint: disable=g-import-not-at-top
     try:
       run_study(study, runs_dir, seeds, _QUICK.value, out_dir)
     except stops.StopRequested as e:

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import config_schema
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
-from diloco_jax import programs as programs_lib
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.run import programs as programs_lib
 
 
 def tiny_model_config(vocab_size: int = 33):

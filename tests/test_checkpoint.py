@@ -16,10 +16,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
-from diloco_jax import checkpointing
-from diloco_jax import diloco
-from diloco_jax import metrics as metrics_lib
-from diloco_jax import train
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.algorithm import diloco
+from diloco_jax.run import metrics as metrics_lib
+from diloco_jax.run import train
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from diloco_jax import config_schema
-from diloco_jax import train
+from diloco_jax.config import schema as config_schema
+from diloco_jax.run import train
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures",
                        "checkpoint_96e0b9f")

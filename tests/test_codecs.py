@@ -8,12 +8,12 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import codecs
-from diloco_jax import communication
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
-from diloco_jax.placement import PER_ISLAND
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.placement import PER_ISLAND
 from tests import helpers
 
 LOSSY = ("bf16", "fp16", "int8", "int4", "fp4")
@@ -154,7 +154,7 @@ def test_int8_outer_step_leaves_every_island_with_the_same_params():
 
 def test_training_with_a_codec_reports_its_compression(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   summaries = {}
   for name in ("fp32", "int8"):
     config = tiny.get_config()
@@ -232,7 +232,8 @@ def test_resume_with_codec_state_is_exact(tmp_path):
 
 def test_toggling_error_feedback_is_an_incompatible_checkpoint(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax import checkpointing, train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = tiny.get_config()
   config.total_steps = 4
   train.train_and_evaluate(config, str(tmp_path))

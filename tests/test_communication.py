@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import communication
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
-from diloco_jax.placement import PER_ISLAND
+from diloco_jax.parallel import communication
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.placement import PER_ISLAND
 
 
 def test_island_mean_is_the_weighted_mean_on_every_island():

@@ -9,7 +9,7 @@ from tests import helpers
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import embedded
 from diloco_jax.data import packing
-from diloco_jax.data import streams
+from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import synthetic
 from diloco_jax.data import tokenizer as tokenizer_lib
 

@@ -11,7 +11,7 @@ from tests import helpers
 from diloco_jax.data import clustering
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import sources
-from diloco_jax.data import streams
+from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 spm = pytest.importorskip("sentencepiece")

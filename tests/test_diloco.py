@@ -9,11 +9,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from diloco_jax import compression as compression_lib
-from diloco_jax import config_schema
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import optimizers
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.algorithm import optimizers
 from tests import helpers
 
 

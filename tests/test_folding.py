@@ -27,14 +27,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax import codecs
-from diloco_jax import communication
-from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
-from diloco_jax import train
-from diloco_jax.placement import PER_ISLAND, REPLICATED
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.run import train
+from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
 from tests import helpers
 from tests import test_checkpoint
 

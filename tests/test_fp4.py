@@ -9,13 +9,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diloco_jax import codecs
-from diloco_jax import compression as compression_lib
-from diloco_jax import config_schema
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
-from diloco_jax import validation
-from diloco_jax.placement import PER_ISLAND
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.config import schema as config_schema
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.config import validation
+from diloco_jax.parallel.placement import PER_ISLAND
 from tests import helpers
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -355,7 +355,7 @@ def test_fp4_outer_step_leaves_every_island_with_the_same_params():
 
 def test_training_with_fp4_stays_finite_and_reports_its_bytes(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = helpers.with_overrides(tiny.get_config(), {
       "diloco.codec": "fp4", "diloco.error_feedback": True,
       "diloco.stochastic_rounding": True})

@@ -18,12 +18,12 @@ import pytest
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import codecs
-from diloco_jax import communication
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
-from diloco_jax import placement
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import placement
 from tests import helpers
 
 ISLANDS = 2
@@ -182,7 +182,7 @@ def test_fsdp_byte_counts_match_the_replicated_island_up_to_padding():
 @pytest.mark.slow
 def test_training_with_fsdp_matches_replicated_islands(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax import train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   summaries = {}
   for fsdp in (False, True):
     config = tiny.get_config()

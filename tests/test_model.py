@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import config_schema
-from diloco_jax import flops
-from diloco_jax import model
+from diloco_jax.config import schema as config_schema
+from diloco_jax.analysis import flops
+from diloco_jax.model import transformer as model
 from tests import helpers
 
 # inner width HEADS * HEAD_DIM = 64 differs from D_MODEL = 32 on purpose, and

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from diloco_jax import launch
-from diloco_jax import multihost
+from diloco_jax.parallel import multihost
 from diloco_jax.data import sources
 from tests import helpers
 from tests import test_checkpoint

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diloco_jax import codecs
-from diloco_jax import compression
-from diloco_jax import config_schema
-from diloco_jax import network_model as nm
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.algorithm import compression
+from diloco_jax.config import schema as config_schema
+from diloco_jax.analysis import network_model as nm
 
 N = 1_000_000_000  # params; a multiple of every island count used here
 GBIT = 1e9
@@ -387,7 +387,7 @@ def test_from_config_reads_a_run_s_config():
 
 
 def test_from_config_builds_the_model_s_shapes():
-  from diloco_jax import model as model_lib
+  from diloco_jax.model import transformer as model_lib
   config = config_schema.base_config()
   config.diloco.codec = "adaptive_lowrank"  # exact on the model's matrices
   workload, _ = nm.from_config(config, 0.25, GBIT)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from diloco_jax import diloco
-from diloco_jax import optimizers
-from diloco_jax import participation
-from diloco_jax import stops
-from diloco_jax import train
-from diloco_jax import validation
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import participation
+from diloco_jax.run import stops
+from diloco_jax.run import train
+from diloco_jax.config import validation
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_diloco

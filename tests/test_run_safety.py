@@ -23,14 +23,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax import checkpointing
-from diloco_jax import config_changes
-from diloco_jax import guards
-from diloco_jax import integrity
-from diloco_jax import resume
-from diloco_jax import train
-from diloco_jax import validation
-from diloco_jax import workdir as workdir_lib
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.config import changes as config_changes
+from diloco_jax.algorithm import guards
+from diloco_jax.run import integrity
+from diloco_jax.run import resume
+from diloco_jax.run import train
+from diloco_jax.config import validation
+from diloco_jax.run import workdir as workdir_lib
 from diloco_jax.data import errors as data_errors
 from tests import helpers
 from tests import test_checkpoint

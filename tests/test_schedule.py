@@ -7,8 +7,8 @@ the step the loop asks about everything else.
 
 import pytest
 
-from diloco_jax import config_schema
-from diloco_jax import schedule
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import schedule
 
 
 def _plan(**fields) -> schedule.Schedule:

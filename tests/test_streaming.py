@@ -9,15 +9,15 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax import compression as compression_lib
-from diloco_jax import config_schema
-from diloco_jax import diloco
-from diloco_jax import fragments
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
-from diloco_jax import schedule
-from diloco_jax import train
-from diloco_jax import validation
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import fragments
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.algorithm import schedule
+from diloco_jax.run import train
+from diloco_jax.config import validation
 from tests import helpers
 from tests import test_checkpoint
 

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import codecs
-from diloco_jax import communication
-from diloco_jax import compression as compression_lib
-from diloco_jax import lowrank
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
-from diloco_jax import sparse
-from diloco_jax.placement import PER_ISLAND, REPLICATED
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.codecs import lowrank
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.codecs import sparse
+from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
 from tests import helpers
 
 FP32 = codecs.DenseCodec("fp32")
@@ -351,8 +351,8 @@ def test_structured_byte_counts_by_hand():
 @pytest.mark.parametrize("islands", [2, 4, 8])
 def test_adaptive_codec_sends_over_ten_times_less_than_fp32(islands):
   from configs import default  # pylint: disable=g-import-not-at-top
-  from diloco_jax import communication  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   config = default.get_config()
   config.diloco.codec = "adaptive_lowrank"
   shapes = model_lib.param_shapes(config.model)
@@ -368,8 +368,8 @@ def test_sparse_codecs_keep_their_ratio_at_any_island_count(name):
   fp32 ring does: the ratio does not fall as k grows (an all-gather of
   whole payloads would lose a factor k/2)."""
   from configs import default  # pylint: disable=g-import-not-at-top
-  from diloco_jax import communication  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   config = default.get_config()
   config.diloco.codec = name
   shapes = model_lib.param_shapes(config.model)
@@ -477,7 +477,8 @@ def _tiny_adaptive_config():
 
 def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
-  from diloco_jax import model as model_lib, train  # pylint: disable=g-import-not-at-top,multiple-imports
+  from diloco_jax.model import transformer as model_lib
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = _tiny_adaptive_config()
   summary = train.train_and_evaluate(config, str(tmp_path))
   with open(tmp_path / "metrics.jsonl") as f:
@@ -504,7 +505,8 @@ def test_resume_with_the_adaptive_codec_state_is_exact(tmp_path):
 
 
 def test_changing_the_rank_range_is_an_incompatible_checkpoint(tmp_path):
-  from diloco_jax import checkpointing, train  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = _tiny_adaptive_config()
   config.total_steps = 3
   train.train_and_evaluate(config, str(tmp_path))

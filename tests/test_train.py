@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from diloco_jax import train
-from diloco_jax import validation
+from diloco_jax.run import train
+from diloco_jax.config import validation
 from configs import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

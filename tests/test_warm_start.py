@@ -16,16 +16,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
-from diloco_jax import checkpointing
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import metrics as metrics_lib
-from diloco_jax import optimizers
-from diloco_jax import state_spec
-from diloco_jax import stops
-from diloco_jax import train
-from diloco_jax import validation
-from diloco_jax import warm_start
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import metrics as metrics_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.run import state_spec
+from diloco_jax.run import stops
+from diloco_jax.run import train
+from diloco_jax.config import validation
+from diloco_jax.run import warm_start
 from tests import helpers
 
 TOTAL, PRETRAIN, H = 12, 4, 4

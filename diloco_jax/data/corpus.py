@@ -17,7 +17,7 @@ from diloco_jax.data import embedded
 from diloco_jax.data import errors
 from diloco_jax.data import file_split
 from diloco_jax.data import packing
-from diloco_jax.data import streaming
+from diloco_jax.data import sharded_batches as streaming
 from diloco_jax.data import synthetic
 from diloco_jax.data import text_files
 from diloco_jax.data import tfds_documents

@@ -25,8 +25,8 @@ import numpy as np
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import errors
-from diloco_jax.data import streaming
-from diloco_jax.data import streams
+from diloco_jax.data import sharded_batches as streaming
+from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import tfds_documents
 from diloco_jax.data import tokenizer as tokenizer_lib
 

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import checkpointing
-from diloco_jax import config_schema
-from diloco_jax import diloco
-from diloco_jax import model as model_lib
-from diloco_jax import optimizers
-from diloco_jax import state_spec
-from diloco_jax import validation
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import diloco
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.run import state_spec
+from diloco_jax.config import validation
 
 PRETRAIN_DIR = "pretrain"  # under the workdir
 

@@ -13,10 +13,10 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import checkpointing
-from diloco_jax import config_changes
-from diloco_jax import diloco
-from diloco_jax import placement
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.config import changes as config_changes
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import placement
 
 
 class ConfigChangedError(checkpointing.IncompatibleCheckpointError):

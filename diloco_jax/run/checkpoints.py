@@ -25,8 +25,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from diloco_jax import guards
-from diloco_jax import integrity
+from diloco_jax.algorithm import guards
+from diloco_jax.run import integrity
 
 STATE = "state"
 META = "meta"

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax.mesh import DATA, FOLDED, ISLAND
+from diloco_jax.parallel.mesh import DATA, FOLDED, ISLAND
 
 # Per-island arrays are stacked on a leading axis split over 'island'.
 PER_ISLAND = P(ISLAND)

@@ -15,19 +15,19 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco_jax import accounting
-from diloco_jax import diloco
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import model as model_lib
-from diloco_jax import multihost
-from diloco_jax import outer_placement
-from diloco_jax import placement
-from diloco_jax import programs as programs_lib
-from diloco_jax import resume
-from diloco_jax import schedule as schedule_lib
-from diloco_jax import state_spec as state_spec_lib
-from diloco_jax import validation
-from diloco_jax import warm_start
+from diloco_jax.run import accounting
+from diloco_jax.algorithm import diloco
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import multihost
+from diloco_jax.run import outer_placement
+from diloco_jax.parallel import placement
+from diloco_jax.run import programs as programs_lib
+from diloco_jax.run import resume
+from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.run import state_spec as state_spec_lib
+from diloco_jax.config import validation
+from diloco_jax.run import warm_start
 from diloco_jax.data import sources
 
 

@@ -5,16 +5,16 @@ so a bad flag costs a second rather than a compile, and the workdir is left
 untouched.
 """
 
-from diloco_jax import codecs
-from diloco_jax import compression
-from diloco_jax import config_changes
-from diloco_jax import config_schema
-from diloco_jax import diloco as diloco_lib
-from diloco_jax import guards
-from diloco_jax import model as model_lib
-from diloco_jax import outer_placement
-from diloco_jax import participation
-from diloco_jax import schedule as schedule_lib
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.algorithm import compression
+from diloco_jax.config import changes as config_changes
+from diloco_jax.config import schema as config_schema
+from diloco_jax.algorithm import diloco as diloco_lib
+from diloco_jax.algorithm import guards
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.run import outer_placement
+from diloco_jax.algorithm import participation
+from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.data import corpus as corpus_lib
 
 

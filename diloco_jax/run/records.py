@@ -7,9 +7,9 @@ holds what the whole run trained, sent, measured and changed.
 
 import math
 
-from diloco_jax import accounting
-from diloco_jax import flops
-from diloco_jax import schedule as schedule_lib
+from diloco_jax.run import accounting
+from diloco_jax.analysis import flops
+from diloco_jax.algorithm import schedule as schedule_lib
 
 
 def ratio(numerator: float, denominator: float) -> float | None:

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import codecs
-from diloco_jax import compression as compression_lib
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.algorithm import compression as compression_lib
 
 MODES = ("ddp", "diloco", "single")
 OVERLAPS = ("none", "one_step_delay")
@@ -522,7 +522,7 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
                     inner_steps=d.inner_steps), link
   if sync_bytes is None:
     if params is None:
-      from diloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+      from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
       params = model_lib.param_shapes(config.model)
     stripes = config.mesh.data if config.mesh.fsdp else 1
     # DDP all-reduces float32 gradients, as accounting.LinkBytes counts them.

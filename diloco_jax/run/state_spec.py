@@ -12,13 +12,13 @@ from typing import Any
 import jax
 import optax
 
-from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import model as model_lib
-from diloco_jax import optimizers
-from diloco_jax import schedule as schedule_lib
-from diloco_jax import validation
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.config import validation
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,12 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from diloco_jax import codecs
-from diloco_jax import communication
-from diloco_jax import lowrank
-from diloco_jax import multihost
-from diloco_jax import sparse
-from diloco_jax.mesh import ISLANDS
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
+from diloco_jax.codecs import lowrank
+from diloco_jax.parallel import multihost
+from diloco_jax.codecs import sparse
+from diloco_jax.parallel.mesh import ISLANDS
 
 STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
 CODECS = codecs.DENSE_CODECS + STRUCTURED_CODECS

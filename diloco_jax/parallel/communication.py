@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import codecs
-from diloco_jax import placement
-from diloco_jax.mesh import ISLANDS
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.mesh import ISLANDS
 
 # The island axes: a mesh axis name, or (device axis, folded vmap axis) for
 # islands folded onto devices (mesh.ISLANDS, the default). Island i of a

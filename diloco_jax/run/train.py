@@ -27,23 +27,23 @@ import time
 import jax
 from absl import logging
 
-from diloco_jax import checkpointing
-from diloco_jax import config_changes
-from diloco_jax import flops
-from diloco_jax import loop as loop_lib
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import metrics as metrics_lib
-from diloco_jax import model as model_lib
-from diloco_jax import multihost
-from diloco_jax import network_model
-from diloco_jax import outer_placement
-from diloco_jax import records
-from diloco_jax import resume
-from diloco_jax import run_setup
-from diloco_jax import stops
-from diloco_jax import validation
-from diloco_jax import warm_start
-from diloco_jax import workdir as workdir_lib
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.config import changes as config_changes
+from diloco_jax.analysis import flops
+from diloco_jax.run import loop as loop_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import metrics as metrics_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import multihost
+from diloco_jax.analysis import network_model
+from diloco_jax.run import outer_placement
+from diloco_jax.run import records
+from diloco_jax.run import resume
+from diloco_jax.run import setup as run_setup
+from diloco_jax.run import stops
+from diloco_jax.config import validation
+from diloco_jax.run import warm_start
+from diloco_jax.run import workdir as workdir_lib
 
 
 def train_and_evaluate(config, workdir: str, devices=None,

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import diloco
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import integrity
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import schedule as schedule_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.run import integrity
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.algorithm import schedule as schedule_lib
 
 
 class Programs(NamedTuple):

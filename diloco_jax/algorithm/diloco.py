@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import communication
-from diloco_jax import compression as compression_lib
-from diloco_jax import optimizers
-from diloco_jax import placement
-from diloco_jax.mesh import DATA, ISLAND
-from diloco_jax.placement import PER_ISLAND, REPLICATED
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.mesh import DATA, ISLAND
+from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
 
 LossFn = Callable[[Any, jax.Array], jax.Array]  # (params, sequences) -> loss
 

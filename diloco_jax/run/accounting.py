@@ -11,10 +11,10 @@ import functools
 
 import numpy as np
 
-from diloco_jax import communication
-from diloco_jax import compression as compression_lib
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import schedule as schedule_lib
+from diloco_jax.parallel import communication
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import schedule as schedule_lib
 
 
 @dataclasses.dataclass

@@ -43,11 +43,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
-from diloco_jax import fragments as fragments_lib
-from diloco_jax import mesh as mesh_lib
-from diloco_jax import placement
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
 
 PLACEMENTS = ("device", "host")
 

@@ -17,19 +17,19 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco_jax import accounting
-from diloco_jax import checkpointing
-from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
-from diloco_jax import guards
-from diloco_jax import multihost
-from diloco_jax import optimizers
-from diloco_jax import participation
-from diloco_jax import records
-from diloco_jax import resume
-from diloco_jax import run_setup
-from diloco_jax import schedule as schedule_lib
-from diloco_jax import stops
+from diloco_jax.run import accounting
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import guards
+from diloco_jax.parallel import multihost
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import participation
+from diloco_jax.run import records
+from diloco_jax.run import resume
+from diloco_jax.run import setup as run_setup
+from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.run import stops
 
 
 @dataclasses.dataclass(frozen=True)

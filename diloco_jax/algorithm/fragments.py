@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax import compression as compression_lib
-from diloco_jax import diloco
-from diloco_jax import optimizers
-from diloco_jax import placement
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import optimizers
+from diloco_jax.parallel import placement
 
 
 def leaf_fragments(params, num_fragments: int) -> tuple[int, ...]:
