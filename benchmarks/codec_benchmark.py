@@ -57,7 +57,8 @@ def main(argv):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from diloco_jax.parallel import communication
   from diloco_jax.algorithm import compression as compression_lib
-  from diloco_jax.algorithm import diloco
+  from diloco_jax.algorithm import outer_step as outer_step_lib
+  from diloco_jax.algorithm import state as state_lib
   from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib
   from diloco_jax.algorithm import optimizers
@@ -115,10 +116,10 @@ def main(argv):
     compression = compression_for(name)
     # A stateless inner optimizer keeps memory to the params the step reads.
     # A copy: the step donates its state, which would free `params`.
-    state = diloco.init_state(jax.tree.map(jnp.copy, params), optax.sgd(1.0),
+    state = state_lib.init_state(jax.tree.map(jnp.copy, params), optax.sgd(1.0),
                               outer_opt, islands, compression=compression)
-    state = jax.device_put(state, diloco.state_shardings(state, mesh))
-    step = diloco.make_outer_step(outer_opt, mesh, compression)
+    state = jax.device_put(state, state_lib.state_shardings(state, mesh))
+    step = outer_step_lib.make_outer_step(outer_opt, mesh, compression)
     holder = {"state": state}
     del state
 

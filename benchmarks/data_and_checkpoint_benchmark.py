@@ -89,7 +89,7 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", 4)
   from configs import c4_150m, default  # pylint: disable=g-import-not-at-top
   from diloco_jax.run import checkpoints as checkpointing
-  from diloco_jax.algorithm import diloco
+  from diloco_jax.algorithm import state as state_lib
   from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib
   from diloco_jax.algorithm import optimizers
@@ -130,7 +130,7 @@ def main(argv):
     _, params = model_lib.init_params(c4.model, 0)
     inner = optimizers.inner_optimizer(c4.inner_optimizer, c4.total_steps)
     outer = optimizers.outer_optimizer(c4.diloco.outer_optimizer)
-    state = jax.jit(lambda p: diloco.init_state(p, inner, outer, islands))(
+    state = jax.jit(lambda p: state_lib.init_state(p, inner, outer, islands))(
         params)
     jax.block_until_ready(state)
     num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

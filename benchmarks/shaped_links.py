@@ -34,7 +34,7 @@ Per run the table gives:
     reference run: diloco fp32, overlap none, in the same namespaces with
     NO rate limit (its syncs over an unshaped veth are included, so it
     slightly overstates the step's compute time, and util).
-  * model round s / model util: network_model.run_estimate for the run's
+  * model round s / model util: workloads.run_estimate for the run's
     config at that reference step time and the shaped rate (latency 0: tbf
     adds none); err: round s / model round s - 1.
   * train s / model train s: the whole loop (warm-up and end-of-run syncs
@@ -310,9 +310,9 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
 
 def _model(config_dict: dict, step_s: float, mbit: float) -> dict:
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from diloco_jax.analysis import network_model  # pylint: disable=g-import-not-at-top
+  from diloco_jax.analysis import workloads  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config_dict)
-  return network_model.run_estimate(config, step_time_s=step_s,
+  return workloads.run_estimate(config, step_time_s=step_s,
                                     bandwidth_bits_per_s=mbit * 1e6,
                                     latency_s=0.0)
 

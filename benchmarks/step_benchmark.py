@@ -78,7 +78,9 @@ class InnerSteps:
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-    from diloco_jax.algorithm import diloco
+    from diloco_jax.algorithm import inner_step as inner_step_lib
+    from diloco_jax.algorithm import outer_step as outer_step_lib
+    from diloco_jax.algorithm import state as state_lib
     from diloco_jax.parallel import mesh as mesh_lib
     from diloco_jax.model import transformer as model_lib
     from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
@@ -89,20 +91,20 @@ class InnerSteps:
     inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
                                            config.total_steps)
     outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
-    init = lambda seed: diloco.init_state(
+    init = lambda seed: state_lib.init_state(
         model_lib.new_params(config.model, seed), inner_opt, outer_opt,
         islands)
-    shardings = diloco.state_shardings(jax.eval_shape(init, 0), mesh)
+    shardings = state_lib.state_shardings(jax.eval_shape(init, 0), mesh)
     with model_lib.fast_init_compile():
       self.state = jax.jit(init, out_shardings=shardings)(config.seed)
     tokens = np.random.default_rng(0).integers(
         0, config.model.vocab_size,
         (islands, batch_size, config.data.sequence_length + 1), np.int32)
     self.batch = jax.device_put(tokens,
-                                NamedSharding(mesh, diloco.BATCH_SPEC))
-    self.step = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+                                NamedSharding(mesh, state_lib.BATCH_SPEC))
+    self.step = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
                                        microbatches=microbatches)
-    self.outer = diloco.make_outer_step(outer_opt, mesh)
+    self.outer = outer_step_lib.make_outer_step(outer_opt, mesh)
     self.weights = jax.device_put(
         np.ones(islands, np.float32),
         NamedSharding(mesh, jax.sharding.PartitionSpec(mesh_lib.ISLAND)))

@@ -19,6 +19,7 @@ from absl import flags
 
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.analysis import network_model as nm
+from diloco_jax.analysis import workloads
 
 # Streaming DiLoCo sends 4-bit floats; int4 sends as many bytes where this
 # tree's codecs have no fp4.
@@ -113,21 +114,21 @@ def dilocox() -> list[str]:
 
   def speedup(step_s, inner_steps, compression_ratio=ratio):
     """All-reduce round time / DiLoCoX round time, for the same steps."""
-    ddp = nm.ddp_workload(params, nodes, step_s, inner_steps=inner_steps)
-    x = nm.diloco_workload(
+    ddp = workloads.ddp_workload(params, nodes, step_s, inner_steps=inner_steps)
+    x = workloads.diloco_workload(
         params, nodes, step_s, inner_steps,
         codec="adaptive_lowrank" if compression_ratio else codec,
         compression_ratio=compression_ratio, overlap="one_step_delay")
     return nm.round_time(ddp, link) / nm.round_time(x, link)
 
-  ddp = nm.ddp_workload(params, nodes, step, inner_steps=h)
-  x = nm.diloco_workload(params, nodes, step, h, codec=codec,
+  ddp = workloads.ddp_workload(params, nodes, step, inner_steps=h)
+  x = workloads.diloco_workload(params, nodes, step, h, codec=codec,
                          compression_ratio=ratio, overlap="one_step_delay")
-  fp32 = nm.bytes_per_sync(params, nodes, "fp32")
+  fp32 = workloads.bytes_per_sync(params, nodes, "fp32")
   c_ddp = nm.allreduce_time(ddp.sync_bytes, nodes, link)
   c_x = nm.allreduce_time(x.sync_bytes, nodes, link)
   model = speedup(step, h)
-  bf16_c = nm.allreduce_time(nm.bytes_per_sync(params, nodes, "bf16"), nodes,
+  bf16_c = nm.allreduce_time(workloads.bytes_per_sync(params, nodes, "bf16"), nodes,
                              link)
   # Comm hidden (c_x <= H step): the speedup is (step + c_ddp) / step, so
   # the claim pins the step time; otherwise it grows with H x ratio.
@@ -178,7 +179,7 @@ def opendiloco_and_intellect1() -> list[str]:
        _INTELLECT1_STEP_S.value, (0.83, 0.96), "83-96% utilization"),
   )
   for name, params, k, h, codec, step, targets, paper in settings:
-    w = nm.diloco_workload(params, k, step, h, codec=codec)
+    w = workloads.diloco_workload(params, k, step, h, codec=codec)
     needed = ", ".join(
         f"{t:.0%}: **{_gbit(_needed(t, w, latency))} Gbit/s**"
         for t in targets)
@@ -196,9 +197,9 @@ def streaming() -> list[str]:
   k, step = _STREAMING_WORKERS.value, _STREAMING_STEP_S.value
   p, tau = _STREAMING_FRAGMENTS.value, _STREAMING_TAU.value
   latency = _STREAMING_LATENCY_S.value
-  ddp = lambda codec, hidden=0.0: nm.ddp_workload(
+  ddp = lambda codec, hidden=0.0: workloads.ddp_workload(
       params, k, step, inner_steps=h, codec=codec, hidden_fraction=hidden)
-  dl = lambda codec, **kw: nm.diloco_workload(params, k, step, h,
+  dl = lambda codec, **kw: workloads.diloco_workload(params, k, step, h,
                                               codec=codec, **kw)
   rows = (
       # method, workload for fp32 payloads, for bf16, the paper's Gbit/s

@@ -10,7 +10,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.run import programs as programs_lib
@@ -93,15 +95,15 @@ def state_after_one_inner_step(islands: int, compression=None,
   params = jax.tree.map(np.array, params)
   inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
   mesh = mesh_lib.build_mesh(islands)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
                             error_feedback, compression)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   batch = jax.device_put(random_batches(1, islands, 2)[0],
-                         NamedSharding(mesh, diloco.BATCH_SPEC))
-  state, _ = diloco.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
+                         NamedSharding(mesh, state_lib.BATCH_SPEC))
+  state, _ = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)(state, batch)
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P("island")))
-  return state, diloco.make_outer_step(outer_opt, mesh, compression), weights
+  return state, outer_step_lib.make_outer_step(outer_opt, mesh, compression), weights
 
 
 def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
@@ -114,7 +116,7 @@ def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
   """
   losses, grad_norms = [], []
   for step, batch in enumerate(batches, start=1):
-    batch = jax.device_put(batch, NamedSharding(mesh, diloco.BATCH_SPEC))
+    batch = jax.device_put(batch, NamedSharding(mesh, state_lib.BATCH_SPEC))
     state, metrics = inner_step(state, batch)
     losses.append(np.asarray(metrics["loss"]))
     grad_norms.append(np.asarray(metrics["grad_norm"]))

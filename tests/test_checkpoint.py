@@ -17,7 +17,7 @@ import pytest
 
 from configs import tiny
 from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import train
 from tests import helpers
@@ -202,12 +202,12 @@ def test_resume_with_a_different_number_of_islands(tmp_path, caplog,
 def test_resize_islands_keeps_survivors_and_starts_new_islands_from_x():
   params, loss_fn = helpers.tiny_problem()
   inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
-  state = diloco.init_state(params, inner_opt, outer_opt, 2)
+  state = state_lib.init_state(params, inner_opt, outer_opt, 2)
   # Make island params and optimizer states differ from x and from fresh.
   state = state.replace(
       island_params=jax.tree.map(lambda y: y + 1.0, state.island_params),
       inner_opt_state=jax.tree.map(lambda s: s + 1, state.inner_opt_state))
-  grown = diloco.resize_islands(state, 3, inner_opt)
+  grown = state_lib.resize_islands(state, 3, inner_opt)
   fresh = inner_opt.init(params)
   for i in range(2):
     helpers.assert_trees_close(jax.tree.map(lambda y: y[i], grown.island_params),
@@ -216,7 +216,7 @@ def test_resize_islands_keeps_survivors_and_starts_new_islands_from_x():
                              params)
   helpers.assert_trees_close(
       jax.tree.map(lambda s: s[2], grown.inner_opt_state), fresh)
-  shrunk = diloco.resize_islands(state, 1, inner_opt)
+  shrunk = state_lib.resize_islands(state, 1, inner_opt)
   assert jax.tree.leaves(shrunk.island_params)[0].shape[0] == 1
 
 

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.parallel import communication
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from diloco_jax.parallel.placement import PER_ISLAND
@@ -137,11 +138,11 @@ def test_outer_step_sends_the_int8_payload_in_one_program():
   params = jax.tree.map(np.array, params)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands)
-  state = diloco.init_state(params, optax.adam(1e-3), outer_opt, islands)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = state_lib.init_state(params, optax.adam(1e-3), outer_opt, islands)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   codec = codecs.make_codec("int8")
-  hlo = diloco.make_outer_step(outer_opt, mesh, codec).lower(
+  hlo = outer_step_lib.make_outer_step(outer_opt, mesh, codec).lower(
       state, weights).compile().as_text()
   helpers.assert_compressed_one_program(hlo)  # int8 values, s8
 

@@ -11,7 +11,10 @@ from jax.sharding import NamedSharding
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import evaluation as evaluation_lib
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.algorithm import optimizers
 from tests import helpers
@@ -23,13 +26,13 @@ def _setup(islands, data=1, outer=None, seed=0):
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   outer_opt = outer or optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = state_lib.init_state(params, inner_opt, outer_opt, islands)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   return params, loss_fn, inner_opt, outer_opt, mesh, state
 
 
 def _put_batch(batch, mesh):
-  return jax.device_put(batch, NamedSharding(mesh, diloco.BATCH_SPEC))
+  return jax.device_put(batch, NamedSharding(mesh, state_lib.BATCH_SPEC))
 
 
 def _weights(islands, mesh, value=1.0):
@@ -39,8 +42,8 @@ def _weights(islands, mesh, value=1.0):
 
 def _run_diloco(islands, data, rounds, inner_steps, batches, outer=None):
   _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands, data, outer)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = outer_step_lib.make_outer_step(outer_opt, mesh)
   for r in range(rounds):
     for h in range(inner_steps):
       state, _ = inner(state, _put_batch(batches[r * inner_steps + h], mesh))
@@ -77,7 +80,7 @@ def test_outer_sgd_lr_one_is_parameter_averaging():
   islands, inner_steps = 4, 3
   batches = helpers.random_batches(inner_steps, islands, 2)
   _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=optax.sgd(1.0))
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   for b in batches:
     state, _ = inner(state, _put_batch(b, mesh))
   island_params = jax.device_get(state.island_params)
@@ -85,7 +88,7 @@ def test_outer_sgd_lr_one_is_parameter_averaging():
   # The islands really diverged, so the average is not trivially any one.
   leaf = jax.tree.leaves(island_params)[0]
   assert not np.allclose(leaf[0], leaf[1])
-  state = diloco.make_outer_step(optax.sgd(1.0), mesh)(
+  state = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh)(
       state, _weights(islands, mesh))
   helpers.assert_trees_close(state.global_params, expected)
   # Every island restarts from the new global params.
@@ -97,13 +100,13 @@ def test_outer_sgd_lr_one_is_parameter_averaging():
 def test_weighted_mean_weights_islands_by_tokens():
   islands = 2
   _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=optax.sgd(1.0))
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   state, _ = inner(state, _put_batch(helpers.random_batches(1, islands, 2)[0],
                                      mesh))
   y = jax.device_get(state.island_params)
   weights = jax.device_put(jnp.array([3.0, 1.0]), NamedSharding(
       mesh, jax.sharding.PartitionSpec("island")))
-  state = diloco.make_outer_step(optax.sgd(1.0), mesh)(state, weights)
+  state = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh)(state, weights)
   expected = jax.tree.map(lambda a: 0.75 * a[0] + 0.25 * a[1], y)
   helpers.assert_trees_close(state.global_params, expected)
 
@@ -115,8 +118,8 @@ def _diverged_islands_state(islands, outer_opt):
   """A state after one inner step and one outer step (so the outer
   momentum is not zero), then one more inner step."""
   _, loss_fn, inner_opt, _, mesh, state = _setup(islands, outer=outer_opt)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = outer_step_lib.make_outer_step(outer_opt, mesh)
   batches = helpers.random_batches(2, islands, 2)
   state, _ = inner(state, _put_batch(batches[0], mesh))
   state = outer_step(state, _weights(islands, mesh))
@@ -174,8 +177,8 @@ def test_a_round_without_islands_moves_neither_x_nor_the_outer_state():
 def test_a_diverged_island_restarts_with_a_fresh_inner_state():
   islands = 2
   _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh, inner_opt=inner_opt)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = outer_step_lib.make_outer_step(outer_opt, mesh, inner_opt=inner_opt)
   for batch in helpers.random_batches(3, islands, 2):
     state, _ = inner(state, _put_batch(batch, mesh))
   before = jax.device_get(state.inner_opt_state)
@@ -213,8 +216,8 @@ def test_nesterov_outer_update_matches_optax_reference():
   islands, inner_steps, rounds = 2, 2, 3
   batches = helpers.random_batches(rounds * inner_steps, islands, 2)
   params, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = outer_step_lib.make_outer_step(outer_opt, mesh)
   reference_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   x = jax.tree.map(np.array, params)  # a host copy: the state is donated
   ref_state = reference_opt.init(x)
@@ -250,7 +253,7 @@ def test_islands_start_identical_and_get_different_batches():
   for i in range(islands):
     helpers.assert_trees_close(jax.tree.map(lambda a: a[i], y), params,
                                rtol=0, atol=0)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   batch = helpers.random_batches(1, islands, 2)[0]
   state, metrics = inner(state, _put_batch(batch, mesh))
   losses = np.asarray(metrics["loss"])
@@ -332,18 +335,18 @@ def test_outer_step_reduces_across_islands_and_inner_step_does_not():
   _, loss_fn, inner_opt, outer_opt, mesh, state = _setup(islands, data)
   island_groups = _device_groups(mesh, "island")
   data_groups = _device_groups(mesh, "data")
-  outer_hlo = diloco.make_outer_step(outer_opt, mesh).lower(
+  outer_hlo = outer_step_lib.make_outer_step(outer_opt, mesh).lower(
       state, _weights(islands, mesh)).compile().as_text()
   assert island_groups in _all_reduce_groups(outer_hlo)
 
   batch = _put_batch(helpers.random_batches(1, islands, 4)[0], mesh)
-  inner_hlo = diloco.make_inner_step(loss_fn, inner_opt, mesh).lower(
+  inner_hlo = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh).lower(
       state, batch).compile().as_text()
   inner_groups = _all_reduce_groups(inner_hlo)
   assert data_groups in inner_groups
   assert island_groups not in inner_groups  # islands never talk mid-round
 
-  ddp_hlo = diloco.make_inner_step(
+  ddp_hlo = inner_step_lib.make_inner_step(
       loss_fn, inner_opt, mesh, sync_gradients_across_islands=True).lower(
           state, batch).compile().as_text()
   assert island_groups in _all_reduce_groups(ddp_hlo)
@@ -356,7 +359,7 @@ def test_microbatched_step_equals_the_whole_batch(islands, data):
   results = {}
   for microbatches in (1, 4):
     _, loss_fn, inner_opt, _, mesh, state = _setup(islands, data)
-    step = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+    step = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
                                   microbatches=microbatches)
     state, metrics = step(state, _put_batch(batch, mesh))
     results[microbatches] = (jax.device_get(metrics),
@@ -388,7 +391,7 @@ def test_evaluation_sends_no_params_across_islands(islands, data):
       NamedSharding(mesh, jax.sharding.PartitionSpec(
           (mesh_lib.ISLAND, mesh_lib.DATA))))
   for mode in ("ddp", "diloco"):
-    evaluate = diloco.make_evaluate(loss_fn, mode)
+    evaluate = evaluation_lib.make_evaluate(loss_fn, mode)
     sizes = _collective_sizes(
         evaluate.lower(state, batch).compile().as_text())
     assert max(n for op in sizes for n in op) <= islands * data, (mode, sizes)
@@ -398,7 +401,7 @@ def test_evaluation_sends_no_params_across_islands(islands, data):
                                     state.island_params), np.asarray(batch))
     np.testing.assert_allclose(evaluate(state, batch), island_0, rtol=1e-6)
 
-  evaluate_mean = diloco.make_evaluate_island_mean(loss_fn)
+  evaluate_mean = evaluation_lib.make_evaluate_island_mean(loss_fn)
   sizes = _collective_sizes(
       evaluate_mean.lower(state, (batch,) * 3).compile().as_text())
   leaf_sizes = sorted(int(np.size(p)) for p in jax.tree.leaves(params))

@@ -30,7 +30,9 @@ from configs import tiny
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.parallel import communication
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from diloco_jax.run import train
@@ -78,14 +80,14 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = _placed(islands, num_devices)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
                             settings.get("error_feedback", False),
                             settings["compression"])
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   ddp = settings.get("ddp", False)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
                                  sync_gradients_across_islands=ddp)
-  outer = diloco.make_outer_step(outer_opt, mesh, settings["compression"],
+  outer = outer_step_lib.make_outer_step(outer_opt, mesh, settings["compression"],
                                  rounding_seed=None)
   weights = jax.device_put(np.arange(1, islands + 1, dtype=np.float32),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
@@ -163,13 +165,13 @@ def test_one_device_outer_step_has_no_collective(variant):
   settings = VARIANTS[variant]
   params, _ = helpers.tiny_problem()
   mesh = _placed(islands, 1)
-  state = diloco.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands,
+  state = state_lib.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands,
                             settings.get("error_feedback", False),
                             settings["compression"])
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
-  hlo = diloco.make_outer_step(optax.sgd(1.0), mesh,
+  hlo = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh,
                                settings["compression"]).lower(
                                    state, weights).compile().as_text()
   assert not COLLECTIVES.search(hlo), COLLECTIVES.search(hlo)
@@ -180,11 +182,11 @@ def test_folded_int8_sends_int8_across_devices():
   islands = 8
   params, _ = helpers.tiny_problem()
   mesh = _placed(islands, 2)
-  state = diloco.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh))
+  state = state_lib.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
-  hlo = diloco.make_outer_step(optax.sgd(1.0), mesh, INT8).lower(
+  hlo = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh, INT8).lower(
       state, weights).compile().as_text()
   helpers.assert_compressed_one_program(hlo)
 

@@ -20,7 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.parallel import communication
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import placement
@@ -56,10 +58,10 @@ def _run(data: int, fsdp: bool, codec=None, rounds: int = 2,
   inner_opt = optax.adamw(1e-3, weight_decay=0.1)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = _mesh(data)
-  state = diloco.init_state(params, inner_opt, outer_opt, ISLANDS)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh, fsdp))
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh, fsdp=fsdp)
-  outer = diloco.make_outer_step(outer_opt, mesh, codec, fsdp=fsdp)
+  state = state_lib.init_state(params, inner_opt, outer_opt, ISLANDS)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh, fsdp))
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh, fsdp=fsdp)
+  outer = outer_step_lib.make_outer_step(outer_opt, mesh, codec, fsdp=fsdp)
   weights = jax.device_put(jnp.ones(ISLANDS),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   batches = helpers.random_batches(rounds * inner_steps, ISLANDS, 8,
@@ -116,14 +118,14 @@ def _argument_bytes(data: int, fsdp: bool) -> int:
   params, loss_fn = _problem()
   inner_opt = optax.adamw(1e-3)
   mesh = _mesh(data)
-  state = diloco.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
-  shardings = diloco.state_shardings(state, mesh, fsdp)
+  state = state_lib.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
+  shardings = state_lib.state_shardings(state, mesh, fsdp)
   abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       state, shardings)
   batch = jax.ShapeDtypeStruct((ISLANDS, 8, 17), np.int32, sharding=(
-      NamedSharding(mesh, diloco.BATCH_SPEC)))
-  compiled = diloco.make_inner_step(loss_fn, inner_opt, mesh,
+      NamedSharding(mesh, state_lib.BATCH_SPEC)))
+  compiled = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
                                     fsdp=fsdp).lower(abstract, batch).compile()
   return compiled.memory_analysis().argument_size_in_bytes
 
@@ -140,12 +142,12 @@ def test_fsdp_shrinks_per_device_state_memory_by_the_shard_count(data):
 def _outer_step_memory(data: int, fsdp: bool, codec):
   params, _ = _problem()
   mesh = _mesh(data)
-  state = diloco.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
+  state = state_lib.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
                             ISLANDS)
-  state = jax.device_put(state, diloco.state_shardings(state, mesh, fsdp))
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh, fsdp))
   weights = jax.device_put(jnp.ones(ISLANDS),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
-  compiled = diloco.make_outer_step(optax.sgd(1.0), mesh, codec,
+  compiled = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh, codec,
                                     fsdp=fsdp).lower(state, weights).compile()
   return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
 

@@ -12,7 +12,9 @@ import pytest
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression
 from diloco_jax.config import schema as config_schema
+from diloco_jax.analysis import link_queue
 from diloco_jax.analysis import network_model as nm
+from diloco_jax.analysis import workloads
 
 N = 1_000_000_000  # params; a multiple of every island count used here
 GBIT = 1e9
@@ -31,8 +33,8 @@ def _tree_size(tree) -> int:
 
 def test_diloco_with_one_inner_step_sends_what_ddp_sends():
   for k in (2, 4, 8):
-    ddp = nm.ddp_workload(N, k, 0.5)
-    diloco = nm.diloco_workload(N, k, 0.5, inner_steps=1)
+    ddp = workloads.ddp_workload(N, k, 0.5)
+    diloco = workloads.diloco_workload(N, k, 0.5, inner_steps=1)
     # The ring: 2(k-1) chunks of N/k float32 values, plus the islands'
     # weights (one float32 all-reduced the same way).
     ring = 2 * (k - 1) * (N // k) * 4 + 2 * (k - 1) * 4
@@ -40,14 +42,14 @@ def test_diloco_with_one_inner_step_sends_what_ddp_sends():
     link = nm.Link(10 * GBIT, 0.03)
     assert nm.timing(ddp, link) == nm.timing(diloco, link)
   # Over H steps DiLoCo sends 1/H of DDP's bytes per step.
-  assert nm.bytes_per_step(nm.diloco_workload(N, 4, 0.5, 100)) == (
-      nm.bytes_per_step(nm.ddp_workload(N, 4, 0.5)) / 100)
+  assert nm.bytes_per_step(workloads.diloco_workload(N, 4, 0.5, 100)) == (
+      nm.bytes_per_step(workloads.ddp_workload(N, 4, 0.5)) / 100)
 
 
 @pytest.mark.parametrize("workload", [
-    nm.ddp_workload(N, 4, 0.2),
-    nm.diloco_workload(N, 4, 0.2, 50, codec="int8"),
-    nm.diloco_workload(N, 4, 0.2, 50, fragments=5, fragment_delay=3),
+    workloads.ddp_workload(N, 4, 0.2),
+    workloads.diloco_workload(N, 4, 0.2, 50, codec="int8"),
+    workloads.diloco_workload(N, 4, 0.2, 50, fragments=5, fragment_delay=3),
 ], ids=["ddp", "diloco", "streaming"])
 def test_utilization_tends_to_one_as_bandwidth_grows(workload):
   bandwidths = [10.0 ** e for e in range(6, 20)]
@@ -68,7 +70,7 @@ def test_utilization_tends_to_one_as_bandwidth_grows(workload):
 
 def test_utilization_tends_to_one_as_inner_steps_grow():
   link = nm.Link(1 * GBIT, 0.05)
-  values = [nm.utilization(nm.diloco_workload(N, 8, 0.3, h), link)
+  values = [nm.utilization(workloads.diloco_workload(N, 8, 0.3, h), link)
             for h in (1, 10, 100, 1000, 10_000, 1_000_000)]
   assert values == sorted(values)
   assert values[0] < 0.01 and values[-1] > 0.999
@@ -76,7 +78,7 @@ def test_utilization_tends_to_one_as_inner_steps_grow():
 
 def test_one_step_delay_hides_the_sync_exactly_until_it_outlasts_a_round():
   h, step, k = 100, 0.2, 4
-  workload = nm.diloco_workload(N, k, step, h, overlap="one_step_delay")
+  workload = workloads.diloco_workload(N, k, step, h, overlap="one_step_delay")
   crossed = set()
   for bandwidth in [10.0 ** (e / 4) for e in range(32, 48)]:
     link = nm.Link(bandwidth, 0.02)
@@ -91,22 +93,22 @@ def test_one_step_delay_hides_the_sync_exactly_until_it_outlasts_a_round():
     crossed.add(comm <= h * step)
   assert crossed == {True, False}
   # It is streaming's single fragment with tau = H.
-  same = nm.diloco_workload(N, k, step, h, fragment_delay=h)
+  same = workloads.diloco_workload(N, k, step, h, fragment_delay=h)
   link = nm.Link(0.3 * GBIT)
   assert nm.timing(same, link) == nm.timing(workload, link)
 
 
 def test_streaming_with_one_fragment_and_no_delay_is_diloco():
   for codec in ("fp32", "int4"):
-    diloco = nm.diloco_workload(N, 4, 0.1, 100, codec=codec)
-    streaming = nm.diloco_workload(N, 4, 0.1, 100, codec=codec, fragments=1,
+    diloco = workloads.diloco_workload(N, 4, 0.1, 100, codec=codec)
+    streaming = workloads.diloco_workload(N, 4, 0.1, 100, codec=codec, fragments=1,
                                    fragment_delay=0)
     for link in (nm.Link(0.1 * GBIT), nm.Link(25 * GBIT, 0.08)):
       assert nm.timing(streaming, link) == nm.timing(diloco, link)
   # With more blocking fragments the same bytes cross, so without latency a
   # round costs the same; each fragment pays its own 2(k-1) latencies.
-  diloco = nm.diloco_workload(N, 4, 0.1, 100)
-  streaming = nm.diloco_workload(N, 4, 0.1, 100, fragments=10)
+  diloco = workloads.diloco_workload(N, 4, 0.1, 100)
+  streaming = workloads.diloco_workload(N, 4, 0.1, 100, fragments=10)
   assert nm.round_time(streaming, nm.Link(GBIT)) == pytest.approx(
       nm.round_time(diloco, nm.Link(GBIT)), rel=1e-12)
   assert nm.round_time(streaming, nm.Link(GBIT, 0.01)) == pytest.approx(
@@ -115,8 +117,8 @@ def test_streaming_with_one_fragment_and_no_delay_is_diloco():
 
 @pytest.mark.parametrize("fragments", [2, 4, 7, 10, 100])
 def test_streaming_peak_bytes_are_a_fragment_of_diloco_s(fragments):
-  diloco = nm.diloco_workload(N, 4, 0.1, 100, codec="bf16")
-  streaming = nm.diloco_workload(N, 4, 0.1, 100, codec="bf16",
+  diloco = workloads.diloco_workload(N, 4, 0.1, 100, codec="bf16")
+  streaming = workloads.diloco_workload(N, 4, 0.1, 100, codec="bf16",
                                  fragments=fragments, fragment_delay=1)
   assert nm.peak_bytes(streaming) == pytest.approx(
       nm.peak_bytes(diloco) / fragments, rel=1e-12)
@@ -129,7 +131,7 @@ def test_streaming_peak_bytes_are_a_fragment_of_diloco_s(fragments):
 
 def test_overlapping_a_fragment_hides_tau_steps_of_its_sync():
   h, p, tau, step = 100, 10, 2, 0.1
-  workload = nm.diloco_workload(N, 2, step, h, fragments=p,
+  workload = workloads.diloco_workload(N, 2, step, h, fragments=p,
                                 fragment_delay=tau)
   for bandwidth in (1 * GBIT, 10 * GBIT, 100 * GBIT):
     link = nm.Link(bandwidth, 0.001)
@@ -175,7 +177,7 @@ def test_link_queue_steady_state_is_exact():
     p, tau = rng.randint(1, h), rng.randint(0, h)
     step, apply = rng.uniform(0.01, 2.0), rng.choice([0.0, 0.5])
     c = rng.uniform(0.0, 3 * h * step / p)
-    exact = nm._queued_round_s(h, p, tau, step, c, apply / p)
+    exact = link_queue.queued_round_s(h, p, tau, step, c, apply / p)
     assert exact == pytest.approx(
         _simulated_round_s(h, p, tau, step, c, apply / p), rel=1e-6)
     fits = tau <= h // p or c <= (h // p) * step
@@ -187,7 +189,7 @@ def test_link_queue_steady_state_is_exact():
   assert checked[True] > 10 and checked[False] > 10
   # Two fragments each due a round later, on a link twice too slow: the
   # link never rests and sets the pace.
-  assert nm._queued_round_s(10, 2, 10, 1.0, 15.0, 0.0) == pytest.approx(30)
+  assert link_queue.queued_round_s(10, 2, 10, 1.0, 15.0, 0.0) == pytest.approx(30)
 
 
 def test_contended_link_sets_the_pace_when_fragments_divide_h():
@@ -203,7 +205,7 @@ def test_contended_link_sets_the_pace_when_fragments_divide_h():
     if tau <= h // p or c <= (h // p) * step:
       continue
     contended += 1
-    assert nm._queued_round_s(h, p, tau, step, c, 0.0) == pytest.approx(
+    assert link_queue.queued_round_s(h, p, tau, step, c, 0.0) == pytest.approx(
         p * c, rel=1e-12)
   assert contended > 50
 
@@ -211,7 +213,7 @@ def test_contended_link_sets_the_pace_when_fragments_divide_h():
 def test_contended_streaming_is_paced_by_the_link():
   # tau beyond a fragment's window and syncs longer than it: the collectives
   # queue; the round can be no shorter than the link's busy time.
-  workload = nm.diloco_workload(N, 2, 0.1, 100, fragments=10,
+  workload = workloads.diloco_workload(N, 2, 0.1, 100, fragments=10,
                                 fragment_delay=50)
   link = nm.Link(2.5 * GBIT)
   t = nm.timing(workload, link)
@@ -221,12 +223,12 @@ def test_contended_streaming_is_paced_by_the_link():
 
 
 @pytest.mark.parametrize("workload", [
-    nm.ddp_workload(N, 4, 0.2),
-    nm.ddp_workload(N, 4, 0.2, hidden_fraction=2 / 3),
-    nm.diloco_workload(N, 4, 0.2, 100, codec="int8"),
-    nm.diloco_workload(N, 4, 0.2, 100, overlap="one_step_delay"),
-    nm.diloco_workload(N, 4, 0.2, 100, fragments=4, fragment_delay=5),
-    nm.diloco_workload(N, 4, 0.2, 100, fragments=10, fragment_delay=50),
+    workloads.ddp_workload(N, 4, 0.2),
+    workloads.ddp_workload(N, 4, 0.2, hidden_fraction=2 / 3),
+    workloads.diloco_workload(N, 4, 0.2, 100, codec="int8"),
+    workloads.diloco_workload(N, 4, 0.2, 100, overlap="one_step_delay"),
+    workloads.diloco_workload(N, 4, 0.2, 100, fragments=4, fragment_delay=5),
+    workloads.diloco_workload(N, 4, 0.2, 100, fragments=10, fragment_delay=50),
 ], ids=["ddp", "ddp_hidden", "diloco", "one_step_delay", "streaming",
         "contended"])
 @pytest.mark.parametrize("target", [0.5, 0.9, 0.95, 0.99])
@@ -242,7 +244,7 @@ def test_bandwidth_for_utilization_inverts_utilization(workload, target):
 def test_bandwidth_for_utilization_closed_form_for_diloco():
   # Blocking DiLoCo: H s / (H s + 2(k-1) L + 8 B / W) = u, solved for W.
   h, step, k, latency, target = 100, 0.1, 4, 0.02, 0.95
-  workload = nm.diloco_workload(N, k, step, h)
+  workload = workloads.diloco_workload(N, k, step, h)
   slack = h * step * (1 / target - 1) - 2 * (k - 1) * latency
   assert nm.bandwidth_for_utilization(target, workload, latency) == (
       pytest.approx(8 * workload.sync_bytes / slack, rel=1e-8))
@@ -250,10 +252,10 @@ def test_bandwidth_for_utilization_closed_form_for_diloco():
 
 def test_codec_ratios_scale_communication_time():
   link = nm.Link(GBIT)  # no latency: time is bytes / bandwidth
-  fp32 = nm.diloco_workload(N, 4, 0.1, 100)
+  fp32 = workloads.diloco_workload(N, 4, 0.1, 100)
   comm = lambda w: nm.allreduce_time(w.sync_bytes, 4, link)
   for name in codecs.DENSE_CODECS:
-    w = nm.diloco_workload(N, 4, 0.1, 100, codec=name)
+    w = workloads.diloco_workload(N, 4, 0.1, 100, codec=name)
     assert comm(fp32) / comm(w) == pytest.approx(
         fp32.sync_bytes / w.sync_bytes, rel=1e-12)
     # At this size the ratio is the codec's bytes per value (payload and
@@ -262,7 +264,7 @@ def test_codec_ratios_scale_communication_time():
     per_value = codecs.make_codec(name).payload_bytes(n) / n
     assert comm(fp32) / comm(w) == pytest.approx(4 / per_value, rel=1e-6)
   for ratio in (3.0, 10.0, 250.0):
-    w = nm.diloco_workload(N, 4, 0.1, 100, codec="topk",
+    w = workloads.diloco_workload(N, 4, 0.1, 100, codec="topk",
                            compression_ratio=ratio)
     assert comm(w) == pytest.approx(comm(fp32) / ratio, rel=1e-12)
     # Blocking DiLoCo's stall is the comm time: it scales the same way.
@@ -276,12 +278,12 @@ def test_bytes_per_sync_is_compression_mean_bytes(name, islands):
   tree = _tree()
   codec = compression.Compression(name, codecs.make_codec(name))
   expected = compression.mean_bytes(tree, islands, codec)
-  assert nm.bytes_per_sync(tree, islands, name) == expected
+  assert workloads.bytes_per_sync(tree, islands, name) == expected
   # A bare count is the tree flattened: the same bytes when each leaf splits
   # evenly over the islands (fp32 rounds each leaf's chunk up).
-  assert nm.bytes_per_sync(_tree_size(tree), islands, name) == expected
+  assert workloads.bytes_per_sync(_tree_size(tree), islands, name) == expected
   # FSDP stripes count as the runs count them.
-  assert nm.bytes_per_sync(tree, islands, name, stripes=2) == (
+  assert workloads.bytes_per_sync(tree, islands, name, stripes=2) == (
       compression.mean_bytes(tree, islands, codec, stripes=2))
 
 
@@ -289,12 +291,12 @@ def test_structured_codecs_are_exact_on_a_tree():
   tree = _tree()
   codec = compression.Compression("topk", codecs.make_codec("int8"),
                                   topk_fraction=0.05)
-  assert nm.bytes_per_sync(tree, 4, codec) == compression.mean_bytes(
+  assert workloads.bytes_per_sync(tree, 4, codec) == compression.mean_bytes(
       tree, 4, codec)
 
 
 def test_bad_inputs_name_their_field():
-  workload = nm.diloco_workload(N, 4, 0.1, 100)
+  workload = workloads.diloco_workload(N, 4, 0.1, 100)
   cases = [
       ("bandwidth_bits_per_s", lambda: nm.Link(-1.0)),
       ("bandwidth_bits_per_s", lambda: nm.Link(0.0)),
@@ -304,27 +306,27 @@ def test_bad_inputs_name_their_field():
       ("target", lambda: nm.bandwidth_for_utilization(1.5, workload)),
       # 2 x 3 messages of 1 s each already cost more than 5% of 10 s.
       ("target", lambda: nm.bandwidth_for_utilization(0.95, workload, 1.0)),
-      ("fragments", lambda: nm.diloco_workload(N, 4, 0.1, 10, fragments=11)),
-      ("fragments", lambda: nm.diloco_workload(N, 4, 0.1, 10, fragments=0)),
+      ("fragments", lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragments=11)),
+      ("fragments", lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragments=0)),
       ("fragment_delay",
-       lambda: nm.diloco_workload(N, 4, 0.1, 10, fragment_delay=11)),
+       lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragment_delay=11)),
       ("fragment_delay",
-       lambda: nm.diloco_workload(N, 4, 0.1, 10, fragment_delay=1,
+       lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragment_delay=1,
                                   overlap="one_step_delay")),
-      ("overlap", lambda: nm.diloco_workload(N, 4, 0.1, 10, overlap="eager")),
-      ("step_time_s", lambda: nm.diloco_workload(N, 4, -0.1, 10)),
-      ("inner_steps", lambda: nm.diloco_workload(N, 4, 0.1, 0)),
-      ("islands", lambda: nm.diloco_workload(N, 0, 0.1, 10)),
-      ("num_params", lambda: nm.bytes_per_sync(-5, 4)),
-      ("codec", lambda: nm.bytes_per_sync(N, 4, "fp8")),
-      ("compression_ratio", lambda: nm.bytes_per_sync(N, 4, "topk")),
-      ("compression_ratio", lambda: nm.bytes_per_sync(N, 4, None)),
+      ("overlap", lambda: workloads.diloco_workload(N, 4, 0.1, 10, overlap="eager")),
+      ("step_time_s", lambda: workloads.diloco_workload(N, 4, -0.1, 10)),
+      ("inner_steps", lambda: workloads.diloco_workload(N, 4, 0.1, 0)),
+      ("islands", lambda: workloads.diloco_workload(N, 0, 0.1, 10)),
+      ("num_params", lambda: workloads.bytes_per_sync(-5, 4)),
+      ("codec", lambda: workloads.bytes_per_sync(N, 4, "fp8")),
+      ("compression_ratio", lambda: workloads.bytes_per_sync(N, 4, "topk")),
+      ("compression_ratio", lambda: workloads.bytes_per_sync(N, 4, None)),
       ("compression_ratio",
-       lambda: nm.bytes_per_sync(N, 4, "int8", compression_ratio=4.0)),
+       lambda: workloads.bytes_per_sync(N, 4, "int8", compression_ratio=4.0)),
       ("compression_ratio",
-       lambda: nm.bytes_per_sync(N, 4, "lowrank", compression_ratio=-2.0)),
+       lambda: workloads.bytes_per_sync(N, 4, "lowrank", compression_ratio=-2.0)),
       ("ddp_hidden_fraction",
-       lambda: nm.ddp_workload(N, 4, 0.1, hidden_fraction=1.0)),
+       lambda: workloads.ddp_workload(N, 4, 0.1, hidden_fraction=1.0)),
       ("fragments", lambda: nm.Workload("ddp", 4, 0.1, 1e9, inner_steps=4,
                                         fragments=2)),
   ]
@@ -336,7 +338,7 @@ def test_bad_inputs_name_their_field():
 def test_ddp_all_reduce_can_hide_behind_the_backward_pass():
   step, k = 0.3, 4
   for hidden in (0.0, 0.5, 2 / 3):
-    workload = nm.ddp_workload(N, k, step, inner_steps=10,
+    workload = workloads.ddp_workload(N, k, step, inner_steps=10,
                                hidden_fraction=hidden)
     for bandwidth in (10 * GBIT, 100 * GBIT, 1000 * GBIT):
       link = nm.Link(bandwidth)
@@ -353,7 +355,7 @@ def test_from_config_reads_a_run_s_config():
   for field in ("overlap", "fragments", "fragment_delay"):
     if field in config.diloco:  # a config from before the fields
       del config.diloco[field]
-  workload, link = nm.from_config(config, 0.25, 2 * GBIT, 0.01, params=tree)
+  workload, link = workloads.from_config(config, 0.25, 2 * GBIT, 0.01, params=tree)
   assert link == nm.Link(2 * GBIT, 0.01)
   assert workload == nm.Workload(
       "diloco", 4, 0.25,
@@ -367,22 +369,22 @@ def test_from_config_reads_a_run_s_config():
   config.diloco.fragment_delay = 2
   for placement, delay in (("device", 0), ("host", 2)):
     config.diloco.outer_placement = placement
-    workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
+    workload, _ = workloads.from_config(config, 0.25, 2 * GBIT, params=tree)
     assert (workload.fragments, workload.delay_steps) == (4, delay)
   config.diloco.fragments, config.diloco.fragment_delay = 1, 0
   for overlap in ("one_step_delay", "one_step_delay_rebase"):  # one timing
     config.diloco.overlap = overlap
     for placement, delay in (("device", 0), ("host", 20)):
       config.diloco.outer_placement = placement
-      assert nm.from_config(config, 0.25, 2 * GBIT,
+      assert workloads.from_config(config, 0.25, 2 * GBIT,
                             params=tree)[0].delay_steps == delay
   # DDP counts float32 gradients, as accounting.LinkBytes does.
   config.mode, config.diloco.overlap = "ddp", "none"
-  workload, _ = nm.from_config(config, 0.25, 2 * GBIT, params=tree)
+  workload, _ = workloads.from_config(config, 0.25, 2 * GBIT, params=tree)
   assert workload.sync_bytes == compression.mean_bytes(
       tree, 4, compression.as_compression(None))
   config.mode = "single"
-  assert nm.utilization(*nm.from_config(config, 0.25, 2 * GBIT,
+  assert nm.utilization(*workloads.from_config(config, 0.25, 2 * GBIT,
                                         params=tree)) == 1.0
 
 
@@ -390,7 +392,7 @@ def test_from_config_builds_the_model_s_shapes():
   from diloco_jax.model import transformer as model_lib
   config = config_schema.base_config()
   config.diloco.codec = "adaptive_lowrank"  # exact on the model's matrices
-  workload, _ = nm.from_config(config, 0.25, GBIT)
+  workload, _ = workloads.from_config(config, 0.25, GBIT)
   assert workload.sync_bytes == compression.mean_bytes(
       model_lib.param_shapes(config.model), config.diloco.islands,
       compression.from_config(config.diloco))
@@ -400,10 +402,10 @@ def test_run_estimate_is_json_for_a_summary():
   config = config_schema.base_config()
   config.total_steps, config.pretrain_steps = 240, 40
   config.diloco.inner_steps = 10
-  estimate = nm.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
+  estimate = workloads.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
                              params=_tree())
   json.dumps(estimate)
-  workload, link = nm.from_config(config, 0.25, 0.1 * GBIT, 0.05,
+  workload, link = workloads.from_config(config, 0.25, 0.1 * GBIT, 0.05,
                                   params=_tree())
   assert estimate["network_utilization"] == nm.utilization(workload, link)
   assert estimate["network_wall_s"] == pytest.approx(
@@ -411,7 +413,7 @@ def test_run_estimate_is_json_for_a_summary():
   assert set(estimate["network_bandwidth_for_utilization"]) == {"0.9",
                                                                 "0.95"}
   # A run's measured bytes per sync (e.g. adaptive ranks) replace the count.
-  measured = nm.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
+  measured = workloads.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
                              sync_bytes=123_456.0)
   assert measured["network_sync_bytes"] == 123_456.0
 
@@ -420,13 +422,13 @@ def test_run_estimate_is_json_for_a_summary():
 def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   link = nm.Link(bandwidth, 0.0)
   step, h = 0.5, 10
-  plain = nm.diloco_workload(N, 4, step, h)
-  delay = nm.diloco_workload(N, 4, step, h, overlap="one_step_delay")
-  streaming = nm.diloco_workload(N, 4, step, h, fragments=2,
+  plain = workloads.diloco_workload(N, 4, step, h)
+  delay = workloads.diloco_workload(N, 4, step, h, overlap="one_step_delay")
+  streaming = workloads.diloco_workload(N, 4, step, h, fragments=2,
                                  fragment_delay=2)
   c = nm.allreduce_time(plain.sync_bytes, 4, link)
   assert nm.end_of_run_s(plain, link) == 0.0
-  assert nm.end_of_run_s(nm.ddp_workload(N, 4, step), link) == 0.0
+  assert nm.end_of_run_s(workloads.ddp_workload(N, 4, step), link) == 0.0
   # A steady round waited max(0, c - H step) for the mean; the last one is
   # waited for whole.
   assert nm.end_of_run_s(delay, link) == pytest.approx(min(c, h * step))
@@ -437,7 +439,7 @@ def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   config.total_steps, config.diloco.inner_steps = 200, h
   config.diloco.overlap = "one_step_delay"
   config.diloco.outer_placement = "host"
-  estimate = nm.run_estimate(config, step, bandwidth, params=_tree())
-  workload, _ = nm.from_config(config, step, bandwidth, params=_tree())
+  estimate = workloads.run_estimate(config, step, bandwidth, params=_tree())
+  workload, _ = workloads.from_config(config, step, bandwidth, params=_tree())
   assert estimate["network_wall_s"] == pytest.approx(
       20 * nm.round_time(workload, link) + nm.end_of_run_s(workload, link))

@@ -10,10 +10,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import outer_placement
+from diloco_jax.parallel import outer_devices as outer_devices_lib
+from diloco_jax.run import host_outer
 from diloco_jax.parallel import placement
 from diloco_jax.run import train
 from diloco_jax.config import validation
@@ -31,21 +33,21 @@ from tests import test_streaming
 def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                                       error_feedback):
   islands = 4
-  compute, outer_devices = outer_placement.split_devices(jax.devices())
+  compute, outer_devices = outer_devices_lib.split_devices(jax.devices())
   assert outer_devices == [jax.devices()[-1]]
   compression = test_streaming._compression(codec)  # pylint: disable=protected-access
   params = jax.tree.map(np.array, helpers.tiny_problem()[0])
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, devices=compute)
-  host_state = diloco.init_state(params, inner_opt, outer_opt, islands,
+  host_state = state_lib.init_state(params, inner_opt, outer_opt, islands,
                                  error_feedback, compression, overlap=overlap)
   host_state = jax.tree.map(np.array, jax.device_get(host_state))
-  shardings = diloco.state_shardings(host_state, mesh)
+  shardings = state_lib.state_shardings(host_state, mesh)
   on_device = jax.device_put(host_state, shardings)
-  outer = diloco.make_outer_step(outer_opt, mesh, compression,
+  outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
                                  inner_opt=inner_opt, overlap=overlap)
-  host = outer_placement.HostOuter(outer_devices, islands, mesh, outer_opt,
+  host = host_outer.build(outer_devices, islands, mesh, outer_opt,
                                    compression, inner_opt, overlap=overlap)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
@@ -53,8 +55,8 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                      host_state), shardings))
   on_host = host.load(jax.device_put(host_state, shardings))
-  stripped = outer_placement.strip(on_device)
-  stripped_shardings = diloco.state_shardings(stripped, mesh)
+  stripped = host_outer.strip(on_device)
+  stripped_shardings = state_lib.state_shardings(stripped, mesh)
   weights = jax.device_put(jnp.array([1.0, 0.0, 2.0, 1.0]),
                            NamedSharding(mesh, P("island")))
   for r in range(3):
@@ -64,7 +66,7 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
     on_host = host.outer_step(moved(on_host, key, stripped_shardings),
                               weights)
   if overlap != "none":
-    on_device = diloco.make_flush(outer_opt, mesh)(on_device)
+    on_device = outer_step_lib.make_flush(outer_opt, mesh)(on_device)
     on_host = host.flush(on_host)
   whole = host.assemble(on_host)
   assert jax.tree.structure(whole) == jax.tree.structure(on_device)
@@ -88,7 +90,7 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   last-bit difference can tip an energy threshold to another rank). Runs
   check int8 with the sends compiled from shapes."""
   islands, num_fragments, alpha = 4, 2, 0.5
-  compute, outer_devices = outer_placement.split_devices(jax.devices())
+  compute, outer_devices = outer_devices_lib.split_devices(jax.devices())
   compression = test_streaming._compression("lowrank")  # pylint: disable=protected-access
   params, inner_opt, outer_opt, state = test_streaming._state(  # pylint: disable=protected-access
       islands, compression, True, num_layers=4)
@@ -96,13 +98,13 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
       outer_opt_state=fragments.init_outer_states(params, outer_opt,
                                                   num_fragments))))
   mesh = mesh_lib.build_mesh(islands, devices=compute)
-  shardings = diloco.state_shardings(state, mesh)
+  shardings = state_lib.state_shardings(state, mesh)
   on_device = jax.device_put(state, shardings)
-  host = outer_placement.HostOuter(outer_devices, islands, mesh, outer_opt,
+  host = host_outer.build(outer_devices, islands, mesh, outer_opt,
                                    compression, inner_opt,
                                    fragments=num_fragments)
   on_host = host.load(jax.device_put(state, shardings))
-  stripped_shardings = diloco.state_shardings(on_host, mesh)
+  stripped_shardings = state_lib.state_shardings(on_host, mesh)
   sends = [fragments.make_fragment_send(outer_opt, mesh, num_fragments, p,
                                         compression)
            for p in range(num_fragments)]
@@ -175,7 +177,7 @@ def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
 
 
 def test_moves_assemble_each_target_from_the_blocks_a_process_holds():
-  """outer_placement.move between shardings without a collective: a
+  """outer_devices.move between shardings without a collective: a
   target shard is cut and joined from the grid of blocks held (island
   rows, FSDP columns), and a part held nowhere is one error."""
   array = np.arange(4 * 6 * 3, dtype=np.float32).reshape(4, 6, 3)
@@ -185,13 +187,13 @@ def test_moves_assemble_each_target_from_the_blocks_a_process_holds():
   for target in [((0, 4), (0, 6), (0, 3)), ((1, 3), (2, 5), (1, 3)),
                  ((2, 3), (0, 6), (0, 3)), ((0, 2), (3, 6), (0, 3))]:
     held = {b: d for b, d in blocks.items()
-            if outer_placement._overlaps(b, target)}  # pylint: disable=protected-access
+            if outer_devices_lib._overlaps(b, target)}  # pylint: disable=protected-access
     np.testing.assert_array_equal(
-        outer_placement._assemble(held, target, array.shape),  # pylint: disable=protected-access
+        outer_devices_lib._assemble(held, target, array.shape),  # pylint: disable=protected-access
         array[tuple(slice(*t) for t in target)])
   del blocks[((2, 4), (3, 6), (0, 3))]
   with pytest.raises(ValueError, match="is not all on process"):
-    outer_placement._assemble(blocks, ((0, 4), (0, 6), (0, 3)), array.shape)  # pylint: disable=protected-access
+    outer_devices_lib._assemble(blocks, ((0, 4), (0, 6), (0, 3)), array.shape)  # pylint: disable=protected-access
 
 
 def _streaming(**overrides):

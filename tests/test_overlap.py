@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import train
 from diloco_jax.config import validation
@@ -58,13 +59,13 @@ def _delayed_setup(islands, data=1, fsdp=False, compression=None,
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
                             error_feedback, compression, overlap=overlap)
-  shardings = diloco.state_shardings(state, mesh, fsdp)
+  shardings = state_lib.state_shardings(state, mesh, fsdp)
   state = jax.device_put(state, shardings)
-  outer = diloco.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
+  outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
                                  inner_opt=inner_opt, overlap=overlap)
-  flush = diloco.make_flush(outer_opt, mesh, fsdp)
+  flush = outer_step_lib.make_flush(outer_opt, mesh, fsdp)
   return params, mesh, shardings, state, outer, flush
 
 
@@ -203,14 +204,14 @@ def test_rebasing_keeps_each_islands_progress_by_hand(islands, data, fsdp):
 def test_resizing_keeps_the_anchors_of_the_islands_that_stay():
   params, _ = helpers.tiny_problem()
   inner_opt = optax.adam(1e-2)
-  state = diloco.init_state(params, inner_opt, optax.sgd(LR), 3,
+  state = state_lib.init_state(params, inner_opt, optax.sgd(LR), 3,
                             overlap="one_step_delay_rebase")
   moved = jax.tree.map(lambda a: a - 0.5, state.anchors)
   state = state.replace(anchors=moved, island_params=moved)
-  fewer = diloco.resize_islands(state, 2, inner_opt)
+  fewer = state_lib.resize_islands(state, 2, inner_opt)
   helpers.assert_trees_close(
       fewer.anchors, jax.tree.map(lambda a: a[:2], moved), rtol=0, atol=0)
-  more = diloco.resize_islands(state, 5, inner_opt)
+  more = state_lib.resize_islands(state, 5, inner_opt)
   helpers.assert_trees_close(
       more.anchors, jax.tree.map(
           lambda a, x: jnp.concatenate([a, jnp.stack([x, x])]), moved,
@@ -238,11 +239,11 @@ def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
       islands, compression=compression, error_feedback=error_feedback)
   # The undelayed step with outer SGD lr 1 applies x - D: D is its mean.
   plain_opt = optax.sgd(1.0)
-  plain = diloco.init_state(params, optax.adam(1e-2), plain_opt, islands,
+  plain = state_lib.init_state(params, optax.adam(1e-2), plain_opt, islands,
                             error_feedback, compression)
-  plain_shardings = diloco.state_shardings(plain, mesh)
+  plain_shardings = state_lib.state_shardings(plain, mesh)
   plain = jax.device_put(plain, plain_shardings)
-  plain_outer = diloco.make_outer_step(plain_opt, mesh, compression)
+  plain_outer = outer_step_lib.make_outer_step(plain_opt, mesh, compression)
   weights = _weights(np.ones(islands), mesh)
   for r in range(2):
     start = jax.device_get(delayed.global_params)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import participation
 from diloco_jax.run import stops
@@ -91,8 +92,8 @@ def test_resume_mid_schedule_is_exact(tmp_path):
 def test_idle_islands_rejoin_with_a_fresh_inner_state():
   islands = 2
   _, loss_fn, inner_opt, outer_opt, mesh, state = test_diloco._setup(islands)
-  inner = diloco.make_inner_step(loss_fn, inner_opt, mesh)
-  outer_step = diloco.make_outer_step(outer_opt, mesh, inner_opt=inner_opt,
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  outer_step = outer_step_lib.make_outer_step(outer_opt, mesh, inner_opt=inner_opt,
                                       restart_dropped=True)
   for batch in helpers.random_batches(2, islands, 2):
     state, _ = inner(state, test_diloco._put_batch(batch, mesh))

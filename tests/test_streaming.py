@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.model import transformer as model_lib
@@ -92,7 +93,7 @@ def _state(islands, compression=None, error_feedback=False, num_fragments=1,
       _model_config(num_layers), 0))
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  state = diloco.init_state(params, inner_opt, outer_opt, islands,
+  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
                             error_feedback, compression)
   return params, inner_opt, outer_opt, state
 
@@ -132,11 +133,11 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
   mesh = mesh_lib.build_mesh(islands)
   streaming = plain.replace(outer_opt_state=fragments.init_outer_states(
       params, outer_opt, 1))
-  plain_shardings = diloco.state_shardings(plain, mesh)
-  streaming_shardings = diloco.state_shardings(streaming, mesh)
+  plain_shardings = state_lib.state_shardings(plain, mesh)
+  streaming_shardings = state_lib.state_shardings(streaming, mesh)
   plain = jax.device_put(plain, plain_shardings)
   streaming = jax.device_put(streaming, streaming_shardings)
-  outer = diloco.make_outer_step(outer_opt, mesh, compression,
+  outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
                                  inner_opt=inner_opt)
   send = fragments.make_fragment_send(outer_opt, mesh, 1, 0, compression)
   merge = fragments.make_fragment_merge(mesh, 1, 0, alpha=0.0,
@@ -164,7 +165,7 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
   state = state.replace(outer_opt_state=fragments.init_outer_states(
       params, outer_opt, num_fragments))
   mesh = mesh_lib.build_mesh(islands)
-  shardings = diloco.state_shardings(state, mesh)
+  shardings = state_lib.state_shardings(state, mesh)
   state = moved_islands(jax.device_put(state, shardings), jax.random.key(0),
                  shardings)
   assignment = fragments.leaf_fragments(params, num_fragments)

@@ -17,7 +17,7 @@ import pytest
 
 from configs import tiny
 from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.algorithm import optimizers
@@ -119,7 +119,7 @@ def test_metrics_mark_the_phase_and_total_steps_counts_both(runs):
 def _load(source, config):
   spec = state_spec.for_config(config)
   mesh = mesh_lib.build_mesh(spec.islands)
-  shardings = diloco.state_shardings(spec.abstract(config.model), mesh)
+  shardings = state_lib.state_shardings(spec.abstract(config.model), mesh)
   return warm_start.load(warm_start.parse_source(source), spec, config, mesh,
                          shardings)
 

@@ -17,6 +17,7 @@ With one fragment, tau = 0 and alpha = 0 this is DiLoCo's outer step. The
 host-side order of sends and merges is schedule.py's.
 """
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import diloco
-from diloco_jax.algorithm import optimizers
-from diloco_jax.parallel import placement
+from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
 
 
 def leaf_fragments(params, num_fragments: int) -> tuple[int, ...]:
@@ -116,7 +117,7 @@ class FragmentParts(NamedTuple):
   codec_state: tuple | None
 
 
-def fragment_parts(state: diloco.TrainState, assignment: Sequence[int],
+def fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
                    positions: Sequence[int], fragment: int) -> FragmentParts:
   """`fragment`'s parts of `state` (a TrainState of arrays, abstract arrays
   or shardings); `positions` from codec_positions."""
@@ -130,9 +131,9 @@ def fragment_parts(state: diloco.TrainState, assignment: Sequence[int],
       codec_state)
 
 
-def with_fragment_parts(state: diloco.TrainState, assignment: Sequence[int],
+def with_fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
                         positions: Sequence[int], fragment: int,
-                        parts: FragmentParts) -> diloco.TrainState:
+                        parts: FragmentParts) -> state_lib.TrainState:
   """`state` with `fragment`'s parts replaced by `parts`."""
   outer_states = list(state.outer_opt_state)
   outer_states[fragment] = parts.outer_opt_state
@@ -156,7 +157,7 @@ def make_send_parts(outer_opt: optax.GradientTransformation, sync):
   the core of a fragment's send wherever it runs.
 
   `island_leaves` are the fragment's leaves of every island's params
-  (stacked along the island axis); `sync` is diloco.make_island_sync's.
+  (stacked along the island axis); `sync` is outer_step_lib.make_island_sync's.
   The pseudo-gradients go through the codec (the fragment's residuals and
   codec state only) and the outer optimizer steps x with the weighted mean;
   islands with weight 0 or a non-finite pseudo-gradient are left out, and a
@@ -168,8 +169,7 @@ def make_send_parts(outer_opt: optax.GradientTransformation, sync):
         parts.x, island_leaves, parts.residuals, parts.codec_state, weights,
         send_index)
     anyone = jnp.any(included)
-    keep_unless_anyone = lambda new, old: jax.tree.map(
-        lambda n, o: jnp.where(anyone, n, o), new, old)
+    keep_unless_anyone = functools.partial(outer_step_lib.keep_unless, anyone)
     updates, outer_state = outer_opt.update(mean, parts.outer_opt_state,
                                             parts.x)
     return FragmentParts(
@@ -192,10 +192,10 @@ def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
   """
   compression = compression_lib.as_compression(compression)
   send_parts = make_send_parts(
-      outer_opt, diloco.make_island_sync(mesh, compression, rounding_seed,
+      outer_opt, outer_step_lib.make_island_sync(mesh, compression, rounding_seed,
                                          fsdp))
 
-  def send(state: diloco.TrainState, weights: jax.Array):
+  def send(state: state_lib.TrainState, weights: jax.Array):
     assignment = leaf_fragments(state.global_params, num_fragments)
     positions = codec_positions(state.global_params, compression,
                                 assignment, fragment)
@@ -205,8 +205,7 @@ def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
         select(state.island_params, assignment, fragment), weights,
         send_index(state.step, num_fragments, fragment))
     state = with_fragment_parts(state, assignment, positions, fragment, parts)
-    return placement.constrain(state, diloco.state_shardings(state, mesh,
-                                                             fsdp))
+    return state_lib.constrain_state(state, mesh, fsdp)
 
   return jax.jit(send, donate_argnums=0)
 
@@ -233,15 +232,15 @@ def make_fragment_merge(mesh, num_fragments: int, fragment: int,
   counted from the current step.
   """
 
-  def merge(state: diloco.TrainState, x=None):
+  def merge(state: state_lib.TrainState, x=None):
     assignment = leaf_fragments(state.global_params, num_fragments)
     if x is not None:
       state = state.replace(global_params=replace(
           state.global_params, assignment, fragment, x))
     x = select(state.global_params, assignment, fragment)
     y = select(state.island_params, assignment, fragment)
-    islands = diloco.num_islands(state)
-    finite = jax.vmap(diloco.all_finite)(y)
+    islands = state_lib.num_islands(state)
+    finite = jax.vmap(guards.all_finite)(y)
 
     def blend(x_leaf, y_leaf):
       keep = jnp.where(finite, alpha, 0.0).astype(y_leaf.dtype)
@@ -253,18 +252,13 @@ def make_fragment_merge(mesh, num_fragments: int, fragment: int,
                             [blend(a, b) for a, b in zip(x, y)])
     inner_opt_state = state.inner_opt_state
     if inner_opt is not None:
-      params_ok = jax.vmap(diloco.all_finite)(island_params)
-      state_ok = jax.vmap(diloco.all_finite)(inner_opt_state)
-      restart = params_ok & ~state_ok
-      fresh = optimizers.with_step_counts(
-          jax.vmap(inner_opt.init)(island_params), state.step)
-      inner_opt_state = jax.tree.map(
-          lambda f, old: jnp.where(
-              restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
-          fresh, inner_opt_state)
+      params_ok = jax.vmap(guards.all_finite)(island_params)
+      state_ok = jax.vmap(guards.all_finite)(inner_opt_state)
+      inner_opt_state = state_lib.restart_inner_states(
+          inner_opt, inner_opt_state, island_params, state.step,
+          params_ok & ~state_ok)
     state = state.replace(island_params=island_params,
                           inner_opt_state=inner_opt_state)
-    return placement.constrain(state, diloco.state_shardings(state, mesh,
-                                                             fsdp))
+    return state_lib.constrain_state(state, mesh, fsdp)
 
   return jax.jit(merge, donate_argnums=0)

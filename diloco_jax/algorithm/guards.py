@@ -1,4 +1,4 @@
-"""The non-finite guard: what counts as a diverged step, said in one line.
+"""The non-finite guard: what counts as diverged, and saying so in one line.
 
 The training loop fetches each step's per-island loss and gradient norm one
 step late (so the host never waits on the device) and hands them here; a NaN
@@ -10,6 +10,8 @@ since, at most `config.max_rollbacks` times.
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 POLICIES = ("stop", "rollback")
@@ -63,3 +65,15 @@ def state_problem(step: int, nonfinite_leaves: list[str]
   return NonFiniteError(
       f"step {step}: the state holds NaN or inf in {nonfinite_leaves[0]}"
       f"{more}; it was not saved", step)
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every value of `tree` is finite (a scalar bool; traceable)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf))
+                            for leaf in jax.tree.leaves(tree)]))
+
+
+def islands_finite(state) -> jax.Array:
+  """[islands] bool: whether each island's params in a TrainState are all
+  finite (the islands the outer step will include, weights permitting)."""
+  return jax.vmap(all_finite)(state.island_params)

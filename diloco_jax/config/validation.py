@@ -9,10 +9,10 @@ from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco as diloco_lib
+from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import outer_placement
+from diloco_jax.parallel import outer_devices
 from diloco_jax.algorithm import participation
 from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.data import corpus as corpus_lib
@@ -71,13 +71,13 @@ def _validate_participation(config) -> None:
       participation.parse_nan_island(nan_island, diloco_config.islands)
     except ValueError as e:
       raise ConfigError(f"config.testing.nan_island: {e}") from None
-  _require(diloco_config.overlap in diloco_lib.OVERLAPS,
+  _require(diloco_config.overlap in overlap_lib.OVERLAPS,
            f"config.diloco.overlap={diloco_config.overlap!r} is not one of "
-           f"{diloco_lib.OVERLAPS}")
-  _require(diloco_config.outer_placement in outer_placement.PLACEMENTS,
+           f"{overlap_lib.OVERLAPS}")
+  _require(diloco_config.outer_placement in outer_devices.PLACEMENTS,
            "config.diloco.outer_placement="
            f"{diloco_config.outer_placement!r} is not one of "
-           f"{outer_placement.PLACEMENTS}")
+           f"{outer_devices.PLACEMENTS}")
   if diloco_config.outer_placement == "host":
     _require(config.mode == "diloco",
              "config.diloco.outer_placement='host' places DiLoCo's outer "

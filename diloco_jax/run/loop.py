@@ -17,11 +17,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco_jax.run import accounting
+from diloco_jax.run import progress as progress_lib
+from diloco_jax.analysis import link_bytes
 from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import diloco
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import multihost
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import participation
@@ -47,8 +48,8 @@ class Finished:
     startup_s: launch to the first inner step's result (None: no step).
     train_s: the loop's wall-clock.
   """
-  state: diloco.TrainState
-  progress: accounting.Progress
+  state: state_lib.TrainState
+  progress: progress_lib.Progress
   steps_taken: int
   start_tokens: int
   eval_loss: float
@@ -112,13 +113,13 @@ class TrainingLoop:
     self._schedule = schedule_lib.from_config(config)
     self._participants = participation.step_masks(config, setup.islands)
     self._syncs = config.mode == "diloco"  # outer steps or fragments
-    self._check_islands = (jax.jit(diloco.islands_finite) if self._syncs
+    self._check_islands = (jax.jit(guards.islands_finite) if self._syncs
                            else None)
     self._nan_island = (  # config.testing.nan_island: (island, round)
         participation.parse_nan_island(config.testing.nan_island,
                                        setup.islands)
         if config.get("testing", {}).get("nan_island") else None)
-    self.link_bytes = accounting.LinkBytes(
+    self.link_bytes = link_bytes.LinkBytes(
         config, setup.abstract_state.global_params, setup.islands,
         setup.spec.compression)
     self._learning_rates = optimizers.learning_rate_table(
@@ -210,8 +211,8 @@ class TrainingLoop:
     if self._nan_island and step == ((self._nan_island[1] - 1)
                                      * config.diloco.inner_steps + 1):
       self.state = jax.jit(
-          diloco.poison_island, static_argnums=1,
-          out_shardings=diloco.state_shardings(
+          state_lib.poison_island, static_argnums=1,
+          out_shardings=state_lib.state_shardings(
               self.state, setup.mesh, config.mesh.fsdp))(
                   self.state, self._nan_island[0])
     self.state, step_metrics = programs.inner_step(self.state,

@@ -14,8 +14,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import evaluation as evaluation_lib
+from diloco_jax.algorithm import inner_step as inner_step_lib
+
+from diloco_jax.algorithm import outer_step as outer_step_lib
+
+from diloco_jax.algorithm import overlap as overlap_lib
+
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.run import background
 from diloco_jax.run import integrity
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.algorithm import schedule as schedule_lib
@@ -40,7 +48,7 @@ def batch_shapes(mesh, islands: int, batch_size: int, seq_len: int,
   shape = lambda dims, dtype, spec: jax.ShapeDtypeStruct(
       dims, dtype, sharding=NamedSharding(mesh, spec))
   return (shape((islands, batch_size, seq_len + 1), np.int32,
-                diloco.BATCH_SPEC),
+                state_lib.BATCH_SPEC),
           shape((eval_batch_size, seq_len + 1), np.int32,
                 P((mesh_lib.ISLAND, mesh_lib.DATA))),
           shape((islands,), np.float32, P(mesh_lib.ISLAND)))
@@ -56,7 +64,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
   (jax.ShapeDtypeStruct with shardings). `saved_state` is the state
   checkpoints hold when it differs from the one the steps take (with
   outer_placement='host' the outer fields live elsewhere, and the outer
-  step is outer_placement.HostOuter's, not compiled here).
+  step is host_outer's, not compiled here).
   `num_eval_batches`: how many eval batches the islands' average
   (config.eval.island_mean) is scored on, all in one program.
   """
@@ -64,7 +72,7 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
   on_device = config.diloco.get("outer_placement", "device") == "device"
   start = time.perf_counter()
   mode, fsdp = config.mode, config.mesh.fsdp
-  inner_step = diloco.make_inner_step(
+  inner_step = inner_step_lib.make_inner_step(
       loss_fn, inner_opt, mesh,
       sync_gradients_across_islands=(mode == "ddp"),
       microbatches=config.data.microbatches, fsdp=fsdp).lower(
@@ -94,17 +102,17 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
         inner_opt).lower(*merge_args(p)).compile()
                    for p in range(num_fragments))
   elif mode == "diloco" and on_device:
-    outer_step = diloco.make_outer_step(
+    outer_step = outer_step_lib.make_outer_step(
         outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,
         inner_opt=inner_opt,
         restart_dropped=config.diloco.dropped_islands == "idle",
         overlap=config.diloco.overlap).lower(state, weights).compile()
-    if diloco.is_delayed(config.diloco.overlap):
-      flush = diloco.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
+    if overlap_lib.is_delayed(config.diloco.overlap):
+      flush = outer_step_lib.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
   if mode == "diloco" and config.eval.island_mean:
-    evaluate_island_mean = diloco.make_evaluate_island_mean(loss_fn).lower(
+    evaluate_island_mean = evaluation_lib.make_evaluate_island_mean(loss_fn).lower(
         state, (eval_batch,) * num_eval_batches).compile()
-  evaluate = diloco.make_evaluate(loss_fn, mode).lower(
+  evaluate = evaluation_lib.make_evaluate(loss_fn, mode).lower(
       state, eval_batch).compile()
   return Programs(inner_step, outer_step, flush, sends, merges, evaluate,
                   evaluate_island_mean,
@@ -115,8 +123,4 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
 def compile_in_background(*args, **kwargs) -> concurrent.futures.Future:
   """Starts compile_programs(*args, **kwargs) in a thread; .result() gives
   Programs."""
-  pool = concurrent.futures.ThreadPoolExecutor(
-      max_workers=1, thread_name_prefix="compile")
-  future = pool.submit(compile_programs, *args, **kwargs)
-  pool.shutdown(wait=False)  # the thread ends with its one task
-  return future
+  return background.submit("compile", compile_programs, *args, **kwargs)

@@ -7,7 +7,7 @@ holds what the whole run trained, sent, measured and changed.
 
 import math
 
-from diloco_jax.run import accounting
+from diloco_jax.run import progress as progress_lib
 from diloco_jax.analysis import flops
 from diloco_jax.algorithm import schedule as schedule_lib
 
@@ -26,7 +26,7 @@ def eval_record(loss: float, byte_level: bool) -> dict:
   return record
 
 
-def step_record(config, step: int, progress: accounting.Progress,
+def step_record(config, step: int, progress: progress_lib.Progress,
                 learning_rate: float) -> dict:
   """A step's record, before its training metrics and eval are added."""
   record = {
@@ -57,7 +57,7 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
-def summary(config, progress: accounting.Progress, *, num_params: int,
+def summary(config, progress: progress_lib.Progress, *, num_params: int,
             start_step: int, start_tokens: int, timings: dict,
             flops_per_token: float, mesh, eval_loss: float,
             island_mean_loss: float | None,

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.config import changes as config_changes
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import placement
 
 
@@ -71,7 +71,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
   current_shapes = checkpointing.param_shapes_record(
       abstract_state.global_params)
   current_layout = checkpointing.state_layout_record(abstract_state)
-  target_shardings = diloco.state_shardings(abstract_state, mesh,
+  target_shardings = state_lib.state_shardings(abstract_state, mesh,
                                            config.mesh.fsdp)
 
   def restore(step, meta):
@@ -101,7 +101,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
           checksums)
     # Read at the saved island count, replicated, then resize and reshard.
     saved_abstract = jax.eval_shape(
-        lambda s: diloco.resize_islands(s, saved_islands, inner_opt),
+        lambda s: state_lib.resize_islands(s, saved_islands, inner_opt),
         abstract_state)
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
                               saved_abstract)
@@ -114,7 +114,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
         "progress since the last outer step" if islands < saved_islands else
         f"islands {saved_islands}..{islands - 1} start from the global params"
         " with fresh inner optimizer state")
-    return jax.jit(lambda s: diloco.resize_islands(s, islands, inner_opt),
+    return jax.jit(lambda s: state_lib.resize_islands(s, islands, inner_opt),
                    out_shardings=target_shardings)(saved)
 
   return checkpointer.latest_readable(restore)

@@ -15,12 +15,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco_jax.run import accounting
-from diloco_jax.algorithm import diloco
+from diloco_jax.run import progress as progress_lib
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import multihost
-from diloco_jax.run import outer_placement
+from diloco_jax.run import host_outer as host_outer_lib
 from diloco_jax.parallel import placement
 from diloco_jax.run import programs as programs_lib
 from diloco_jax.run import resume
@@ -44,8 +44,8 @@ class Start:
   """
   step: int
   meta: dict
-  state: diloco.TrainState
-  progress: accounting.Progress
+  state: state_lib.TrainState
+  progress: progress_lib.Progress
   restored: bool
 
 
@@ -81,10 +81,10 @@ class RunSetup:
   eval_set: list
   island_shares: np.ndarray
   spec: state_spec_lib.StateSpec
-  abstract_state: diloco.TrainState
+  abstract_state: state_lib.TrainState
   state_shardings: Any
   loss_fn: Any
-  host_outer: outer_placement.HostOuter | None
+  host_outer: host_outer_lib.OuterSide | None
 
   @property
   def num_params(self) -> int:
@@ -96,17 +96,17 @@ class RunSetup:
     return multihost.global_batch(batch, self.batch_shape.sharding,
                                   self.batch_shape.shape)
 
-  def islands_side(self, state: diloco.TrainState) -> diloco.TrainState:
+  def islands_side(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The state the islands train (with 'host', the outer fields go to
     the outer devices)."""
     return state if self.host_outer is None else self.host_outer.load(state)
 
-  def whole(self, state: diloco.TrainState) -> diloco.TrainState:
+  def whole(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The whole state, as checkpoints hold it."""
     return (state if self.host_outer is None
             else self.host_outer.assemble(state))
 
-  def evaluated(self, state: diloco.TrainState) -> diloco.TrainState:
+  def evaluated(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The state to evaluate: with the outer side's current x."""
     return (state if self.host_outer is None
             else self.host_outer.current(state))
@@ -120,7 +120,7 @@ class RunSetup:
         self.config, self.mesh, self.loss_fn, self.spec.inner_opt,
         self.spec.outer_opt, self.spec.compression,
         (whole_abstract if self.host_outer is None
-         else outer_placement.strip(whole_abstract)), self.batch_shape,
+         else host_outer_lib.strip(whole_abstract)), self.batch_shape,
         self.eval_shape, self.weights_shape, whole_abstract,
         num_eval_batches=len(self.eval_set))
     if self.host_outer is not None:
@@ -137,12 +137,12 @@ class RunSetup:
         state = jax.jit(lambda seed: self.spec.init(
             model_lib.new_params(config.model, seed)),
                         out_shardings=self.state_shardings)(config.seed)
-      return Start(0, {}, state, accounting.Progress(self.islands),
+      return Start(0, {}, state, progress_lib.Progress(self.islands),
                    restored=False)
     start = warm_start.load(source, self.spec, config, self.mesh,
                             self.state_shardings)
     meta = start.meta
-    progress = accounting.Progress(
+    progress = progress_lib.Progress(
         self.islands, rounds_done=meta.get("rounds_done", 0),
         tokens_seen=meta.get("tokens_seen", 0),
         initialized_from=start.record(source))
@@ -159,7 +159,7 @@ class RunSetup:
       return None
     step, meta, state = restored
     return Start(step, meta, state,
-                 accounting.Progress.from_meta(meta, self.islands),
+                 progress_lib.Progress.from_meta(meta, self.islands),
                  restored=True)
 
   def describe_placement(self) -> str:
@@ -202,7 +202,7 @@ def build(config, devices, outer_devices=None) -> RunSetup:
   abstract_state = spec.abstract(config.model)
   host_outer = None
   if outer_devices is not None:
-    host_outer = outer_placement.HostOuter(
+    host_outer = host_outer_lib.build(
         outer_devices, islands, mesh, spec.outer_opt, spec.compression,
         spec.inner_opt,
         rounding_seed=(config.seed if config.diloco.stochastic_rounding
@@ -217,7 +217,7 @@ def build(config, devices, outer_devices=None) -> RunSetup:
       eval_shape=eval_shape, weights_shape=weights_shape, held=held,
       batches=batches, eval_set=eval_set, island_shares=island_shares,
       spec=spec, abstract_state=abstract_state,
-      state_shardings=diloco.state_shardings(abstract_state, mesh,
+      state_shardings=state_lib.state_shardings(abstract_state, mesh,
                                              config.mesh.fsdp),
       loss_fn=functools.partial(model_lib.next_token_loss,
                                 model_lib.graphdef(config.model)),

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.algorithm import optimizers
@@ -33,7 +33,7 @@ class StateSpec:
     compression: the codec settings (None outside 'diloco').
     error_feedback: whether the state keeps per-island residuals.
     seed: seeds the params and the codec state.
-    overlap: diloco.OVERLAPS; a delayed one keeps the update in flight, and
+    overlap: overlap_lib.OVERLAPS; a delayed one keeps the update in flight, and
       'one_step_delay_rebase' the islands' anchors too.
     fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
       (the outer optimizer then keeps one state per fragment).
@@ -48,9 +48,9 @@ class StateSpec:
   overlap: str = "none"
   fragments: int = 0
 
-  def init(self, params) -> diloco.TrainState:
+  def init(self, params) -> state_lib.TrainState:
     """The state with every island and x at `params` (traceable)."""
-    state = diloco.init_state(params, self.inner_opt, self.outer_opt,
+    state = state_lib.init_state(params, self.inner_opt, self.outer_opt,
                               self.islands, self.error_feedback,
                               self.compression, seed=self.seed,
                               overlap=self.overlap)
@@ -59,7 +59,7 @@ class StateSpec:
           params, self.outer_opt, self.fragments))
     return state
 
-  def abstract(self, model_config) -> diloco.TrainState:
+  def abstract(self, model_config) -> state_lib.TrainState:
     """The state's shapes and dtypes, computing nothing."""
     return jax.eval_shape(self.init, model_lib.param_shapes(model_config))
 

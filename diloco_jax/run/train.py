@@ -35,8 +35,8 @@ from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import multihost
-from diloco_jax.analysis import network_model
-from diloco_jax.run import outer_placement
+from diloco_jax.analysis import workloads
+from diloco_jax.parallel import outer_devices as outer_devices_lib
 from diloco_jax.run import records
 from diloco_jax.run import resume
 from diloco_jax.run import setup as run_setup
@@ -81,7 +81,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
   outer_devices = None
   if config.diloco.get("outer_placement") == "host":
     try:
-      devices, outer_devices = outer_placement.split_devices(devices)
+      devices, outer_devices = outer_devices_lib.split_devices(devices)
     except ValueError as e:
       raise validation.ConfigError(str(e)) from None
   validation.validate_config(config, num_devices=len(devices))
@@ -124,7 +124,7 @@ def _check_every_process_holds_islands(config, devices) -> None:
         f"{len(devices)} devices, leaving process(es) {idle} of "
         f"{jax.process_count()} without any: use more islands or spread "
         "each island over the processes with config.mesh.data")
-  split = (outer_placement.islands_across_processes(mesh)
+  split = (outer_devices_lib.islands_across_processes(mesh)
            if config.diloco.outer_placement == "host" and config.mesh.fsdp
            else [])
   if split:
@@ -308,7 +308,7 @@ def _summary(config, setup: run_setup.RunSetup, start: run_setup.Start,
       island_mean_loss=finished.island_mean_loss,
       entropy_rate=setup.batches.info.entropy_rate)
   if finished.steps_taken:  # the step time of this process's steps
-    summary.update(network_model.run_estimate(
+    summary.update(workloads.run_estimate(
         config, step_time_s=finished.train_s / finished.steps_taken,
         bandwidth_bits_per_s=config.network.bandwidth_bits_per_s,
         latency_s=config.network.latency_s,

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import diloco
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.run import state_spec
@@ -113,7 +113,7 @@ class WarmStart:
   """A run's first state, made from a source checkpoint's model."""
   step: int
   meta: dict  # the source checkpoint's record (progress, data positions)
-  state: diloco.TrainState
+  state: state_lib.TrainState
   inner_state_carried: bool
 
   def record(self, source: Source) -> dict:
@@ -133,9 +133,9 @@ def _same_per_island(a, b) -> bool:
           and island_view(a) == island_view(b))
 
 
-def warm_state(source_state: diloco.TrainState, source_mode: str,
+def warm_state(source_state: state_lib.TrainState, source_mode: str,
                spec: state_spec.StateSpec, carry_inner_state: bool,
-               param_dtypes) -> diloco.TrainState:
+               param_dtypes) -> state_lib.TrainState:
   """The state of `spec` started from `source_state`'s model (traceable).
 
   Args:
@@ -147,7 +147,7 @@ def warm_state(source_state: diloco.TrainState, source_mode: str,
     param_dtypes: this run's param dtypes (a tree like the params).
   """
   params = jax.tree.map(lambda p, dtype: p.astype(dtype),
-                        diloco.evaluation_params(source_state, source_mode),
+                        state_lib.evaluation_params(source_state, source_mode),
                         param_dtypes)
   state = spec.init(params)
   if carry_inner_state:

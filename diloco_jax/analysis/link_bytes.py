@@ -1,56 +1,17 @@
-"""What a run counts as it goes: rounds, tokens and bytes over the link.
+"""Bytes one island sends over the island link, for each thing a run does.
 
-`Progress` holds the counters a checkpoint saves with the state.
-`LinkBytes` says what one island sends over the island link for each thing
-the run does (a DDP step, a DiLoCo sync of the whole model or of one
-Streaming DiLoCo fragment, through the codec) and adds it to a Progress.
+`LinkBytes` counts a DDP step, a DiLoCo sync of the whole model or of one
+Streaming DiLoCo fragment, through the codec (the byte counts mirror the
+collectives: compression.mean_bytes), and adds them to a run's progress
+counters (anything with comm_bytes, ddp_comm_bytes and fp32_comm_bytes).
 """
 
-import dataclasses
 import functools
 
-import numpy as np
-
-from diloco_jax.parallel import communication
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import schedule as schedule_lib
-
-
-@dataclasses.dataclass
-class Progress:
-  """The run's counters, saved with each checkpoint and restored with it.
-
-  A restart may change the island count, so per-island progress is cut or
-  padded to the islands there are now.
-  """
-  islands: int
-  rounds_done: int = 0
-  tokens_seen: int = 0
-  comm_bytes: int = 0  # what one island has sent
-  ddp_comm_bytes: int = 0  # what DDP would have sent for the same steps
-  fp32_comm_bytes: int = 0  # what the syncs would have sent uncompressed
-  island_round_steps: np.ndarray = None  # steps since each island's last sync
-  config_changes: list = dataclasses.field(default_factory=list)
-  rollbacks: list = dataclasses.field(default_factory=list)
-  initialized_from: dict | None = None  # warm_start.WarmStart.record
-
-  def __post_init__(self):
-    steps = np.zeros(self.islands, np.int64)
-    saved = list([] if self.island_round_steps is None
-                 else self.island_round_steps)[:self.islands]
-    steps[:len(saved)] = saved
-    self.island_round_steps = steps
-
-  @classmethod
-  def from_meta(cls, meta: dict, islands: int) -> "Progress":
-    names = {f.name for f in dataclasses.fields(cls)} - {"islands"}
-    return cls(islands, **{k: v for k, v in meta.items() if k in names})
-
-  def to_meta(self) -> dict:
-    record = dataclasses.asdict(self)
-    record["island_round_steps"] = self.island_round_steps.tolist()
-    return record
+from diloco_jax.parallel import communication
 
 
 class LinkBytes:
@@ -105,7 +66,7 @@ class LinkBytes:
         self._islands, compression_lib.as_compression(None), None,
         self._stripes)
 
-  def count_step(self, progress: Progress) -> None:
+  def count_step(self, progress) -> None:
     """An inner step: DDP's gradient all-reduce (what DDP would send, for
     every mode; what ddp does send)."""
     progress.ddp_comm_bytes += self.ddp_step
@@ -113,7 +74,7 @@ class LinkBytes:
       progress.comm_bytes += self.ddp_step
       progress.fp32_comm_bytes += self.ddp_step
 
-  def count_syncs(self, progress: Progress, actions,
+  def count_syncs(self, progress, actions,
                   rank_indices: tuple[int, ...] | None, sending: int) -> None:
     """The schedule's `actions` after a step, of which `sending` islands
     took part. Per island, as everywhere: an island that does not take

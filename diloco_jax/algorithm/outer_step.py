@@ -1,0 +1,281 @@
+"""The outer step: the islands' pseudo-gradients averaged across the island
+link, the outer optimizer's step on x, and the islands reset for the next
+round.
+
+It is built from pure pieces that run wherever the outer side lives:
+`make_island_sync` (the collective through the codec, per island),
+`receive` (a round's mean into the outer side's state), `apply_in_flight`
+(the delayed mean applied) and `next_round` (the islands set up again).
+`make_outer_step` and `make_flush` compose them into one compiled program
+on the compute devices; with config.diloco.outer_placement='host' the run
+layer runs the same pieces on devices of their own. overlap.py states the
+overlap rules they follow.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm.state import TrainState
+from diloco_jax.parallel import communication
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.mesh import DATA
+from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
+
+
+def make_island_sync(mesh, compression=None,
+                     rounding_seed: int | None = None, fsdp: bool = False,
+                     stripes: int | None = None,
+                     reference_per_island: bool = False):
+  """The cross-island part of an outer step, for any subtree of the params.
+
+  Returns sync(reference, island_params, residuals, codec_state,
+  weights, round_index) -> (mean, residuals, codec_state, included, finite)
+  (traceable; call it inside jit): the weighted mean of the islands'
+  pseudo-gradients reference - y_i (plus their residuals) through
+  `compression`, where the reference is x, the same for every island, or
+  with `reference_per_island` each island's own anchor a_i (stacked);
+  each island's new residual, the next codec state, and per island whether
+  it took part and whether its pseudo-gradient was finite. An island with
+  weight 0 or a non-finite pseudo-gradient is masked before any arithmetic
+  and keeps its residual. `round_index` seeds stochastic rounding (with
+  `rounding_seed`) with the island's index, so a resumed run draws the
+  same noise.
+
+  `stripes` (default: the mesh's 'data' size with `fsdp`, else 1) is how
+  many rows the codec cuts each island's tree into (placement.stripe): the
+  outer devices of outer_placement='host' hold whole islands and encode
+  them as the islands' FSDP devices would.
+  """
+  compression = compression_lib.as_compression(compression)
+  if stripes is None:
+    # With FSDP each of an island's 'data' devices sends its own shards.
+    stripes = mesh.shape[DATA] if fsdp else 1
+
+  def island_sync(reference, island_params, residuals, codec_state,
+                  weight, round_index):
+    """One island's pseudo-gradient through the codec: the mean, what the
+    codec left unsent (error feedback) and the next codec state."""
+    pseudo_grad = jax.tree.map(jnp.subtract, reference, island_params)
+    if residuals is not None:
+      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
+    # An island without weight (not synced this round) or whose
+    # pseudo-gradient is not finite (it diverged) takes no part: its values
+    # are zeroed before any arithmetic, since NaN x 0 is still NaN.
+    finite = guards.all_finite(pseudo_grad)
+    included = (weight > 0) & finite
+    weight = jnp.where(included, weight, 0.0)
+    pseudo_grad = jax.tree.map(lambda g: jnp.where(included, g, 0),
+                               pseudo_grad)
+    key = None
+    if rounding_seed is not None:
+      key = jax.random.fold_in(
+          jax.random.fold_in(jax.random.key(rounding_seed), round_index),
+          communication.island_index())
+    mean, sent, codec_state = compression_lib.island_mean(
+        pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
+    if residuals is not None:
+      # An island that took no part keeps the residual it had.
+      residuals = jax.tree.map(
+          lambda old, new: jnp.where(included, new, old), residuals,
+          jax.tree.map(jnp.subtract, pseudo_grad, sent))
+    return mean, residuals, codec_state, included, finite
+
+  return placement.island_map(
+      island_sync, mesh,
+      in_specs=(PER_ISLAND if reference_per_island else REPLICATED,
+                PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND, REPLICATED),
+      out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND, PER_ISLAND),
+      # A compressed mean ends in an all_gather, whose result is the same
+      # on every island but is typed as varying; the replicated out_specs
+      # are right by construction (tests check islands agree bit for bit).
+      check_vma=False)
+
+
+def keep_unless(changed, new, old):
+  """`new` where the scalar bool `changed` holds, else `old` (leafwise)."""
+  return jax.tree.map(lambda n, o: jnp.where(changed, n, o), new, old)
+
+
+def outer_update(outer_opt, global_params, outer_opt_state, update,
+                 takes_effect):
+  """(x, outer state) after the outer optimizer's step on `update`, or both
+  unchanged when `takes_effect` is False (momentum alone would move x)."""
+  updates, new_state = outer_opt.update(update, outer_opt_state,
+                                        global_params)
+  new_global = optax.apply_updates(global_params, updates)
+  return (keep_unless(takes_effect, new_global, global_params),
+          keep_unless(takes_effect, new_state, outer_opt_state))
+
+
+def receive(outer_opt: optax.GradientTransformation, sync, delayed: bool,
+            outer: TrainState, island_params, weights, reference):
+  """A round's pseudo-gradients into the outer side's state (traceable).
+
+  `outer` needs x and the outer fields only (not the islands'); `sync` is
+  make_island_sync's, `reference` the x the islands started the round from
+  or, with the rebasing delay, their anchors. The mean goes through the
+  codec (its state and the residuals advance, unless no island took part)
+  and then either steps x with the outer optimizer or, `delayed`, waits in
+  flight for apply_in_flight.
+
+  Returns:
+    (outer, included, finite): the new outer state, with its round counted;
+    per island whether it took part in the mean and whether its
+    pseudo-gradient was finite.
+  """
+  mean, residuals, codec_state, included, finite = sync(
+      reference, island_params, outer.residuals, outer.codec_state, weights,
+      outer.round)
+  anyone = jnp.any(included)
+  outer = outer.replace(
+      residuals=residuals, round=outer.round + 1,
+      # With no island taking part, the codec state stays as it was.
+      codec_state=keep_unless(anyone, codec_state, outer.codec_state))
+  if delayed:
+    return outer.replace(
+        in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), mean),
+        in_flight_valid=anyone), included, finite
+  # The outer optimizer runs once per device on the replicated x, not once
+  # per folded island.
+  x, outer_state = outer_update(outer_opt, outer.global_params,
+                                outer.outer_opt_state, mean, anyone)
+  return (outer.replace(global_params=x, outer_opt_state=outer_state),
+          included, finite)
+
+
+def apply_in_flight(outer_opt: optax.GradientTransformation,
+                    outer: TrainState) -> TrainState:
+  """One-step delay: x steps on the mean in flight, which is then spent
+  (traceable; `outer` needs x and the outer fields only)."""
+  x, outer_state = outer_update(outer_opt, outer.global_params,
+                                outer.outer_opt_state, outer.in_flight,
+                                outer.in_flight_valid)
+  return outer.replace(
+      global_params=x, outer_opt_state=outer_state,
+      in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
+      in_flight_valid=jnp.zeros((), jnp.bool_))
+
+
+def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
+               inner_opt: optax.GradientTransformation | None = None
+               ) -> TrainState:
+  """`state` with x and every island set up for the next round (traceable).
+
+  Every island starts from x; with anchors (the rebasing delay) an island
+  in `keep` [islands] starts from x plus its progress (overlap.rebase).
+  Given `inner_opt`, islands in `restart` [islands] also get a fresh inner
+  optimizer state, counted from the current step so the learning rate
+  schedule goes on.
+  """
+  inner_opt_state = state.inner_opt_state
+  islands = state_lib.num_islands(state)
+  if inner_opt is not None:
+    inner_opt_state = state_lib.restart_inner_states(
+        inner_opt, inner_opt_state, state_lib.stack_islands(x, islands),
+        state.step, restart)
+  if state.anchors is None:
+    island_params, anchors = state_lib.stack_islands(x, islands), None
+  else:
+    island_params, anchors = overlap_lib.rebase(
+        state.island_params, state.anchors, x, keep)
+  return state.replace(global_params=x, island_params=island_params,
+                       anchors=anchors, inner_opt_state=inner_opt_state)
+
+
+def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
+                    compression=None, rounding_seed: int | None = None,
+                    fsdp: bool = False,
+                    inner_opt: optax.GradientTransformation | None = None,
+                    restart_dropped: bool = False, overlap: str = "none"):
+  """Builds the jitted outer step: one program holding the collective.
+
+  `compression` (a compression.Compression, a dense codec, or None for
+  fp32) says how pseudo-gradients cross the island link; its codec state,
+  if any, lives in the TrainState. When the state carries residuals, error
+  feedback adds each island's residual to its pseudo-gradient and keeps
+  what the codec did not send. With `rounding_seed` the codec rounds
+  stochastically, with noise derived from (seed, round, island) so a
+  resumed run draws the same noise.
+
+  With `fsdp` (params split over each island's 'data' devices) each
+  device reduces its own shards across islands: the whole model is never
+  gathered on one device (dense codecs only).
+
+  An island with weight 0 (not synced this round) or a non-finite
+  pseudo-gradient (it diverged) is left out of the mean: masked before any
+  arithmetic, so NaN never reaches x; it keeps its error-feedback residual
+  and, like every island, restarts from the new x; given `inner_opt`, a
+  diverged island also restarts with a fresh inner optimizer state (its
+  moments are not finite either), counted from the current step so the
+  learning rate schedule goes on; with `restart_dropped` so does an island
+  with weight 0 (config.diloco.dropped_islands='idle': it rejoins fresh).
+  If no island takes part, x, the outer optimizer state and the codec
+  state do not change.
+
+  With `overlap` 'one_step_delay' (DiLoCoX's overlap of communication with
+  local training), round r's pseudo-gradients are taken against the x the
+  islands started from, s_r, and their mean D(r) is left in flight
+  (state.in_flight); the outer optimizer steps on D(r - 1), the mean that
+  had all of round r to arrive: x_r = OuterOpt(x_{r-1}, D(r - 1)), and
+  round r + 1 starts from s_{r+1} = x_r. Round 0 applies nothing (s_0 = s_1
+  = x_0); make_flush applies the last mean at the end of the run.
+
+  With `overlap` 'one_step_delay_rebase' the timing is the same, but no
+  island discards its round: its pseudo-gradient is taken against its
+  anchor a_i (where it started the round), and it starts round r + 1 from
+  x_r + (y_i - a_i), its own progress of round r rebased onto x_r, which
+  becomes its anchor. When D(r) lands (at the end of round r + 1) x takes
+  the islands' mean of that progress and each island's own copy of it is
+  dropped by the next rebase. An island left out of the mean (weight 0 or
+  diverged) starts from x_r alone.
+
+  Returns:
+    outer(state, weights) -> state, where `weights` [islands] are the islands'
+    weights in the mean (tokens processed this round). `state` is donated.
+  """
+  delayed = overlap_lib.is_delayed(overlap)
+  rebased = overlap_lib.rebases(overlap)
+  sync = make_island_sync(mesh, compression, rounding_seed, fsdp,
+                          reference_per_island=rebased)
+
+  def outer(state: TrainState, weights: jax.Array):
+    # s_r (or the anchors), before a delayed mean moves x to x_r.
+    reference = state.anchors if rebased else state.global_params
+    if delayed:
+      state = apply_in_flight(outer_opt, state)
+    state, included, finite = receive(outer_opt, sync, delayed, state,
+                                      state.island_params, weights, reference)
+    restart = ~finite
+    if restart_dropped:
+      restart = restart | (weights <= 0)
+    state = next_round(state, state.global_params, restart, included,
+                       inner_opt)
+    # The state keeps its declared layout, so the compiled steps take it.
+    return state_lib.constrain_state(state, mesh, fsdp)
+
+  return jax.jit(outer, donate_argnums=0)
+
+
+def make_flush(outer_opt: optax.GradientTransformation, mesh,
+               fsdp: bool = False):
+  """Builds the jitted end of a one-step-delay run: flush(state) -> state.
+
+  The mean still in flight after the last round is received and applied
+  (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x
+  (with the rebasing delay, its anchor too: the last round's progress is
+  in x_R), and the slot is emptied, so a run extended later starts its
+  delay anew. `state` is donated.
+  """
+
+  def flush(state: TrainState) -> TrainState:
+    state = apply_in_flight(outer_opt, state)
+    nobody = jnp.zeros((state_lib.num_islands(state),), jnp.bool_)
+    state = next_round(state, state.global_params, nobody, nobody)
+    return state_lib.constrain_state(state, mesh, fsdp)
+
+  return jax.jit(flush, donate_argnums=0)

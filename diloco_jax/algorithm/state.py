@@ -1,0 +1,212 @@
+"""DiLoCo's state: one pytree holding x, the islands and what they carry.
+
+Layout: the global params x and the outer optimizer state are the same for
+every island; island params y_i and inner optimizer states are stacked with
+a leading axis of the k logical islands, split over the mesh's 'island'
+device slots (k / slots islands folded on each, see parallel/mesh.py).
+Inside an island, arrays are replicated over its 'data' devices, or split
+over them with FSDP (placement.fsdp_spec). Checkpoints hold this pytree
+whole, so its fields are the checkpoint format.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.mesh import DATA, ISLAND
+
+BATCH_SPEC = P(ISLAND, DATA)  # batches are [islands, per-island batch, L+1]
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Everything a DiLoCo run carries from step to step.
+
+  Attributes:
+    step: inner steps taken by every island so far.
+    round: outer steps taken so far.
+    global_params: x, the outer parameters (the same for every island).
+    outer_opt_state: the outer optimizer's state (likewise).
+    island_params: y, stacked [islands, ...], split over 'island'.
+    inner_opt_state: the inner optimizers' states, stacked the same way.
+    residuals: error feedback: per island, the part of its pseudo-gradients
+      the codec has not sent yet (stacked like island_params), or None.
+    codec_state: what the codec carries across rounds (replicated; the
+      low-rank codecs' warm-start bases and ranks), or None.
+    in_flight: one-step-delay overlap: the mean pseudo-gradient of the last
+      round, sent but not yet applied (float32, shaped like x), or None.
+    in_flight_valid: whether `in_flight` holds an update to apply (a bool;
+      False before the first round ends, after the final one is applied,
+      or when no island took part in that round), or None.
+    anchors: overlap 'one_step_delay_rebase': per island, the params its
+      current round started from, a_i (its progress is y_i - a_i), stacked
+      like island_params; or None.
+  """
+  step: jax.Array
+  round: jax.Array
+  global_params: Any
+  outer_opt_state: Any
+  island_params: Any
+  inner_opt_state: Any
+  residuals: Any = None
+  codec_state: Any = None
+  in_flight: Any = None
+  in_flight_valid: Any = None
+  anchors: Any = None
+
+
+def stack_islands(tree, n: int):
+  """`tree` broadcast to `n` islands: [n, ...] per leaf."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
+
+
+def _zero_residuals(params, num_islands: int):
+  return jax.tree.map(
+      lambda x: jnp.zeros((num_islands,) + x.shape, jnp.float32), params)
+
+
+def num_islands(state: TrainState) -> int:
+  """k, the number of logical islands in `state`."""
+  return jax.tree.leaves(state.island_params)[0].shape[0]
+
+
+def init_state(params, inner_opt: optax.GradientTransformation,
+               outer_opt: optax.GradientTransformation,
+               num_islands: int, error_feedback: bool = False,
+               compression=None, seed: int = 0,
+               overlap: str = "none") -> TrainState:
+  """Every island starts from the same params with a fresh inner state.
+
+  With `error_feedback` the state holds zero residuals; with a `compression`
+  (as outer_step.make_outer_step takes it) that keeps state, its initial
+  codec state (seeded by `seed`); with a delayed `overlap`, an empty slot
+  for the update in flight, and with 'one_step_delay_rebase' every island's
+  anchor at `params`.
+  """
+  island_params = stack_islands(params, num_islands)
+  delayed = overlap_lib.is_delayed(overlap)
+  return TrainState(
+      anchors=island_params if overlap_lib.rebases(overlap) else None,
+      in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                              params) if delayed else None),
+      in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
+      codec_state=compression_lib.init_codec_state(
+          params, compression_lib.as_compression(compression), seed),
+      residuals=(_zero_residuals(params, num_islands) if error_feedback
+                 else None),
+      step=jnp.zeros((), jnp.int32),
+      round=jnp.zeros((), jnp.int32),
+      global_params=params,
+      outer_opt_state=outer_opt.init(params),
+      island_params=island_params,
+      inner_opt_state=jax.vmap(inner_opt.init)(island_params),
+  )
+
+
+def state_partition_specs(state: TrainState, data_size: int = 1,
+                          fsdp: bool = False) -> TrainState:
+  """Where each part of the state lives on the (island, data, stage) mesh.
+
+  With `fsdp`, params, optimizer states and residuals are split over the
+  island's `data_size` devices by placement.fsdp_spec; the codec state
+  (small bases) is replicated.
+  """
+  shared = lambda tree: placement.tree_specs(tree, data_size, fsdp, False)
+  per_island = lambda tree: placement.tree_specs(tree, data_size, fsdp, True)
+  return TrainState(
+      step=P(), round=P(),
+      global_params=shared(state.global_params),
+      outer_opt_state=shared(state.outer_opt_state),
+      island_params=per_island(state.island_params),
+      inner_opt_state=per_island(state.inner_opt_state),
+      residuals=per_island(state.residuals),
+      codec_state=jax.tree.map(lambda _: P(), state.codec_state),
+      in_flight=shared(state.in_flight),
+      in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
+      anchors=per_island(state.anchors),
+  )
+
+
+def state_shardings(state: TrainState, mesh, fsdp: bool = False) -> TrainState:
+  """NamedShardings for `state` on `mesh` (see state_partition_specs)."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                      state_partition_specs(state, mesh.shape[DATA], fsdp),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def constrain_state(state: TrainState, mesh, fsdp: bool = False
+                    ) -> TrainState:
+  """`state` held to its declared layout (inside jit), so the compiled
+  steps that take it next need no resharding."""
+  return placement.constrain(state, state_shardings(state, mesh, fsdp))
+
+
+def restart_inner_states(inner_opt: optax.GradientTransformation,
+                         inner_opt_state, island_params, step,
+                         restart: jax.Array):
+  """The islands' inner states, fresh for the islands in `restart`
+  [islands]: initialized at their params and counted from `step`, so the
+  learning rate schedule goes on where the run is."""
+  fresh = optimizers.with_step_counts(
+      jax.vmap(inner_opt.init)(island_params), step)
+  return jax.tree.map(
+      lambda f, old: jnp.where(
+          restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),
+      fresh, inner_opt_state)
+
+
+def resize_islands(state: TrainState, num_islands: int,
+                   inner_opt: optax.GradientTransformation) -> TrainState:
+  """Changes the number of islands, e.g. when a run restarts on a new fleet.
+
+  Islands that stay keep their params, anchors and inner optimizer state;
+  new islands start from the global params (their anchor too) with a fresh
+  inner optimizer state; removed islands are dropped with whatever progress
+  they made since the last outer step.
+  """
+  old = jax.tree.leaves(state.island_params)[0].shape[0]
+  kept = min(old, num_islands)
+  added = num_islands - kept
+  take = lambda tree: jax.tree.map(lambda y: y[:kept], tree)
+  params = take(state.island_params)
+  anchors = take(state.anchors)
+  opt_state = take(state.inner_opt_state)
+  residuals = take(state.residuals)
+  if added:
+    new_params = stack_islands(state.global_params, added)
+    new_opt_state = jax.vmap(inner_opt.init)(new_params)
+    join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
+    params = jax.tree.map(join, params, new_params)
+    opt_state = jax.tree.map(join, opt_state, new_opt_state)
+    if anchors is not None:
+      anchors = jax.tree.map(join, anchors, new_params)
+    if residuals is not None:  # new islands have sent nothing yet
+      residuals = jax.tree.map(
+          join, residuals, _zero_residuals(state.global_params, added))
+  return state.replace(island_params=params, anchors=anchors,
+                       inner_opt_state=opt_state, residuals=residuals)
+
+
+def evaluation_params(state: TrainState, mode: str):
+  """The params a run is judged by: x for DiLoCo, island 0's otherwise.
+
+  `single` has one island and `ddp` keeps its islands identical, so island 0
+  is their model. Call inside jit so XLA moves the slice where it is needed.
+  """
+  if mode == "diloco":
+    return state.global_params
+  return jax.tree.map(lambda y: y[0], state.island_params)
+
+
+def poison_island(state: TrainState, island: int) -> TrainState:
+  """`state` with island `island`'s params set to NaN (tests of diverged
+  islands, through config.testing.nan_island)."""
+  return state.replace(island_params=jax.tree.map(
+      lambda y: y.at[island].set(jnp.nan), state.island_params))

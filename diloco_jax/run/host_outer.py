@@ -1,0 +1,370 @@
+"""The outer side on devices of its own (config.diloco.outer_placement).
+
+  'device'  x, the outer optimizer state, the codec's state and the
+            cross-island collective live on the compute devices, and a
+            round ends with one compiled program holding all of it
+            (algorithm/outer_step.py).
+  'host'    they live on one other device per process
+            (parallel/outer_devices.py): the host's CPU device beside GPUs
+            or TPUs (DiLoCo and OpenDiLoCo keep the outer state in host
+            memory, off the accelerator), or a CPU device set aside on
+            CPU-only hosts. The islands' params cross to it at a round's
+            end (FSDP islands' shards gathered from their devices) and the
+            new x comes back.
+
+XLA runs one device's programs in order, so a collective on the compute
+devices waits for the inner steps queued there and they wait for it. On a
+device of its own, the collective of a round with
+overlap='one_step_delay' runs while the islands train the next round: the
+next round needs only x_r, which depends on the previous round's mean,
+already arrived. With 'one_step_delay_rebase' the islands' anchors cross
+too (the pseudo-gradients are taken against them) but stay with the
+islands, which rebase their progress onto x_r themselves.
+
+Streaming DiLoCo's sends go there the same way, one fragment at a time:
+only that fragment's island leaves cross, the collective and the outer
+optimizer's step run on the outer devices while the islands train, and the
+merge `fragment_delay` steps later takes the fragment's new x back.
+
+`build` gives the loop an object with the same `outer_step(state,
+weights)` and `flush(state)` (RoundOuter), or per-fragment `sends`
+(FragmentOuter), as the compiled on-device programs; the islands' side of
+the state then carries no outer fields (`strip`), and `assemble` puts them
+back for a checkpoint, which stays the same pytree whichever the placement.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.outer_devices import move
+from diloco_jax.run import background
+
+# The TrainState fields that live on the outer side with 'host'.
+OUTER_FIELDS = ("outer_opt_state", "in_flight", "in_flight_valid",
+                "residuals", "codec_state")
+
+
+def outer_part(state: state_lib.TrainState) -> state_lib.TrainState:
+  """The part of `state` the outer side holds: x and OUTER_FIELDS (the
+  islands' params, anchors and inner states stay with them)."""
+  return state.replace(island_params=None, inner_opt_state=None,
+                       anchors=None)
+
+
+def strip(state: state_lib.TrainState) -> state_lib.TrainState:
+  """The islands' side of `state`: without the outer fields."""
+  return state.replace(**{field: None for field in OUTER_FIELDS})
+
+
+class OuterSide:
+  """What every outer side does: it holds x and the outer fields on the
+  outer devices, takes them there from a whole state (`load`), and gives
+  them back for a checkpoint (`assemble`). Subclasses run the algorithm's
+  pieces there and compile them from shapes (`_compile_all`)."""
+
+  def __init__(self, outer_devices, islands: int, compute_mesh, fsdp: bool):
+    self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
+    self._islands = islands
+    self._compute_mesh = compute_mesh
+    self._fsdp = fsdp
+    self._outer = None  # the outer side's TrainState (no island fields)
+    self._x_shardings = None  # where x lives on the compute devices
+    self._compiling = None  # a Future of {attribute: compiled program}
+
+  @property
+  def outer_state(self) -> state_lib.TrainState:
+    """The outer side's state (x, outer and codec states, the mean in
+    flight), e.g. for the codec's current ranks."""
+    return self._outer
+
+  @property
+  def _on_islands(self) -> NamedSharding:
+    """Stacked per-island arrays on the outer devices."""
+    return NamedSharding(self.mesh, P(mesh_lib.ISLAND))
+
+  def _outer_shardings(self, outer):
+    return state_lib.state_shardings(outer, self.mesh)
+
+  def load(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """Takes the outer fields of a whole `state` (as restored or
+    initialized) to the outer devices; returns the islands' side."""
+    outer = outer_part(state)
+    self._outer = move(outer, self._outer_shardings(outer))
+    self._x_shardings = state_lib.state_shardings(
+        outer, self._compute_mesh, self._fsdp).global_params
+    return strip(state)
+
+  def assemble(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """The whole state (for a checkpoint): the islands' side with the outer
+    fields and x (streaming: with the fragments sent and not yet merged)
+    copied back beside it, in their on-device layout."""
+    outer = {field: getattr(self._outer, field)
+             for field in OUTER_FIELDS + ("global_params",)}
+    targets = state_lib.state_shardings(state.replace(**outer),
+                                        self._compute_mesh, self._fsdp)
+    return state.replace(**{field: move(value, getattr(targets, field))
+                            for field, value in outer.items()})
+
+  def current(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """The islands' side with the outer side's x, e.g. to evaluate it
+    (DiLoCo's islands hold x already)."""
+    return state
+
+  def compile_in_background(self, state) -> None:
+    """Starts compiling the outer side's programs from the shapes of the
+    whole `state` (abstract, as checkpoints hold it), so the first sync
+    does not compile them; the first one waits for the result."""
+    outer = outer_part(state)
+    outer = placement.with_shardings(outer, self._outer_shardings(outer))
+    on_islands = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=self._on_islands), tree)
+    islands_state = state.replace(
+        island_params=on_islands(state.island_params),
+        anchors=on_islands(state.anchors))
+    self._compiling = background.submit(
+        "compile-outer", self._compile_all, outer, islands_state,
+        jax.ShapeDtypeStruct((self._islands,), jnp.float32,
+                             sharding=self._on_islands))
+
+  def _compile_all(self, outer, islands_state, weights) -> dict:
+    """{attribute: compiled program} for the abstract `outer` side, the
+    islands' fields `islands_state` as the outer devices receive them and
+    the islands' `weights`."""
+    raise NotImplementedError
+
+  def _use_compiled(self) -> None:
+    if self._compiling is not None:
+      for name, compiled in self._compiling.result().items():
+        setattr(self, name, compiled)
+      self._compiling = None
+
+  def _x_on_compute(self):
+    return move(self._outer.global_params, self._x_shardings)
+
+
+class RoundOuter(OuterSide):
+  """DiLoCo's outer step on the outer devices: at a round's end the
+  islands' params (and anchors) go out, the collective and the outer
+  optimizer run there, and x comes back."""
+
+  def __init__(self, outer_devices, islands: int, compute_mesh, *,
+               outer_opt: optax.GradientTransformation, sync,
+               inner_opt: optax.GradientTransformation, overlap: str,
+               restart_dropped: bool, fsdp: bool):
+    """`sync`: outer_step.make_island_sync's on the outer devices."""
+    super().__init__(outer_devices, islands, compute_mesh, fsdp)
+    self._delayed = overlap_lib.is_delayed(overlap)
+    self._rebased = overlap_lib.rebases(overlap)
+    self._restart_dropped = restart_dropped
+    constrain = lambda outer: placement.constrain(
+        outer, self._outer_shardings(outer))
+    # The collective of the pseudo-gradients against `reference` (the x
+    # the islands started the round from, or their anchors) and, without
+    # the delay, the outer optimizer's step on its mean.
+    self._send = jax.jit(lambda outer, island_params, weights, reference:
+                         constrain(outer_step_lib.receive(
+                             outer_opt, sync, self._delayed, outer,
+                             island_params, weights, reference)[0]))
+    self._apply = jax.jit(lambda outer: constrain(
+        outer_step_lib.apply_in_flight(outer_opt, outer)))
+
+    def reset(state, x, restart, keep, ends_round):
+      """The islands' side for the next round (outer_step.next_round)."""
+      state = outer_step_lib.next_round(state, x, restart, keep,
+                                        inner_opt).replace(
+                                            round=state.round
+                                            + int(ends_round))
+      return state_lib.constrain_state(state, compute_mesh, fsdp)
+
+    self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
+    self._finite = jax.jit(guards.islands_finite)
+
+  def _compile_all(self, outer, islands_state, weights) -> dict:
+    reference = (islands_state.anchors if self._rebased
+                 else outer.global_params)
+    compiled = {"_send": self._send.lower(
+        outer, islands_state.island_params, weights, reference).compile()}
+    if self._delayed:
+      compiled["_apply"] = self._apply.lower(outer).compile()
+    return compiled
+
+  def outer_step(self, state: state_lib.TrainState, weights: jax.Array):
+    """The round's end: the islands' params go out, x comes back."""
+    self._use_compiled()
+    finite = self._finite(state)
+    restart = ~finite
+    if self._restart_dropped:
+      restart = restart | (weights <= 0)
+    keep = finite & (weights > 0)  # the islands in this round's mean
+    island_params = move(state.island_params, self._on_islands)
+    outer_weights = move(weights, self._on_islands)
+    if self._rebased:  # each island's a_i
+      reference = move(state.anchors, self._on_islands)
+    else:  # s_r, the x this round started from
+      reference = self._outer.global_params
+    if self._delayed:
+      # x_r from the mean that has had this round to arrive; the new
+      # collective is queued after it, on the outer devices only, so the
+      # islands' next round waits for x_r alone.
+      self._outer = self._apply(self._outer)
+      x = self._x_on_compute()
+      self._outer = self._send(self._outer, island_params, outer_weights,
+                               reference)
+    else:
+      self._outer = self._send(self._outer, island_params, outer_weights,
+                               reference)
+      x = self._x_on_compute()
+    return self._reset(state, x, restart, keep, True)
+
+  def flush(self, state: state_lib.TrainState):
+    """The end of a one-step-delay run: the last mean is applied."""
+    self._use_compiled()
+    self._outer = self._apply(self._outer)
+    nobody = jnp.zeros((state_lib.num_islands(state),), bool)
+    return self._reset(state, self._x_on_compute(), nobody, nobody, False)
+
+
+class FragmentOuter(OuterSide):
+  """Streaming DiLoCo's sends on the outer devices: each fragment's island
+  leaves go out, its collective and outer step run there while the islands
+  train, and its merge takes the fragment's x back (`fragment_x`)."""
+
+  def __init__(self, outer_devices, islands: int, compute_mesh, *,
+               outer_opt: optax.GradientTransformation, sync, compression,
+               fragments: int, fsdp: bool):
+    super().__init__(outer_devices, islands, compute_mesh, fsdp)
+    self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
+    self._compression = compression_lib.as_compression(compression)
+    self._fragments = fragments
+    # Per fragment, its jitted send, and where its leaves sit among the
+    # params and the codec state (built from the state's layout).
+    self._fragment_sends = self._assignment = self._positions = None
+
+  def load(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    islands_side = super().load(state)
+    self._build_fragment_sends(self._outer)
+    return islands_side
+
+  def _build_fragment_sends(self, outer) -> None:
+    """Per fragment, send(parts, island_leaves, weights, step) -> parts on
+    the outer devices, for the layout of `outer` (the outer side's state,
+    concrete or abstract). Each takes and gives its fragment's parts only,
+    so a send in flight holds up no other fragment's merge."""
+    if self._fragment_sends is not None:
+      return
+    params = outer.global_params
+    self._assignment = fragments_lib.leaf_fragments(params, self._fragments)
+    self._positions = [fragments_lib.codec_positions(
+        params, self._compression, self._assignment, p)
+                       for p in range(self._fragments)]
+    shardings = self._outer_shardings(outer)
+
+    def send(fragment, parts, island_leaves, weights, step):
+      return self._send_parts(
+          parts, island_leaves, weights,
+          fragments_lib.send_index(step, self._fragments, fragment))
+
+    self._fragment_sends = [
+        jax.jit(functools.partial(send, p),
+                out_shardings=self._parts(shardings, p))
+        for p in range(self._fragments)]
+
+  def _parts(self, outer, fragment: int) -> fragments_lib.FragmentParts:
+    return fragments_lib.fragment_parts(outer, self._assignment,
+                                        self._positions[fragment], fragment)
+
+  def compile_in_background(self, state) -> None:
+    outer = outer_part(state)
+    self._build_fragment_sends(placement.with_shardings(
+        outer, self._outer_shardings(outer)))
+    super().compile_in_background(state)
+
+  def _compile_all(self, outer, islands_state, weights) -> dict:
+    step = jax.ShapeDtypeStruct(islands_state.step.shape,
+                                islands_state.step.dtype,
+                                sharding=NamedSharding(self.mesh, P()))
+    return {"_fragment_sends": [
+        send.lower(self._parts(outer, p),
+                   fragments_lib.select(islands_state.island_params,
+                                        self._assignment, p),
+                   weights, step).compile()
+        for p, send in enumerate(self._fragment_sends)]}
+
+  @property
+  def sends(self) -> tuple:
+    """Per fragment, send(state, weights) -> state. The fragment's island
+    leaves go out and its collective and outer step are queued on the
+    outer devices; the islands' side comes back unchanged (its merge folds
+    the new x in, from `fragment_x`)."""
+    return tuple(functools.partial(self._send_fragment, p)
+                 for p in range(self._fragments))
+
+  def _send_fragment(self, fragment: int, state: state_lib.TrainState,
+                     weights: jax.Array) -> state_lib.TrainState:
+    self._use_compiled()
+    parts = self._fragment_sends[fragment](
+        self._parts(self._outer, fragment),
+        move(fragments_lib.select(state.island_params, self._assignment,
+                                  fragment), self._on_islands),
+        move(weights, self._on_islands),
+        move(state.step, NamedSharding(self.mesh, P())))
+    self._outer = fragments_lib.with_fragment_parts(
+        self._outer, self._assignment, self._positions[fragment], fragment,
+        parts)
+    return state
+
+  def fragment_x(self, fragment: int) -> list:
+    """The fragment's leaves of x on the compute devices, for its merge
+    (they arrive once its send is done)."""
+    select = functools.partial(fragments_lib.select,
+                               assignment=self._assignment, fragment=fragment)
+    return move(select(self._outer.global_params),
+                select(self._x_shardings))
+
+  def current(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """The islands' side with the outer side's x (waits for the fragments
+    in flight)."""
+    return state.replace(global_params=self._x_on_compute())
+
+
+def build(outer_devices, islands: int, compute_mesh,
+          outer_opt: optax.GradientTransformation, compression,
+          inner_opt: optax.GradientTransformation,
+          rounding_seed: int | None = None, restart_dropped: bool = False,
+          overlap: str = "none", fragments: int | None = None,
+          fsdp: bool = False) -> OuterSide:
+  """The outer side of a run with outer_placement='host' on
+  `outer_devices` (one per process).
+
+  `fragments`: P for Streaming DiLoCo (a FragmentOuter; None: DiLoCo's
+  whole-model outer step, a RoundOuter). `fsdp`: the islands' arrays are
+  split over their 'data' devices (config.mesh.fsdp); the outer side holds
+  whole islands and encodes each in the same stripes as those devices
+  would.
+  """
+  mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
+  sync = outer_step_lib.make_island_sync(
+      mesh, compression, rounding_seed,
+      stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
+      reference_per_island=overlap_lib.rebases(overlap))
+  if fragments:
+    return FragmentOuter(outer_devices, islands, compute_mesh,
+                         outer_opt=outer_opt, sync=sync,
+                         compression=compression, fragments=fragments,
+                         fsdp=fsdp)
+  return RoundOuter(outer_devices, islands, compute_mesh, outer_opt=outer_opt,
+                    sync=sync, inner_opt=inner_opt, overlap=overlap,
+                    restart_dropped=restart_dropped, fsdp=fsdp)
