@@ -55,6 +55,7 @@ def main(argv):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import run_config
   from diloco_jax.parallel import communication
   from diloco_jax.algorithm import compression as compression_lib
   from diloco_jax.algorithm import outer_step as outer_step_lib
@@ -70,7 +71,7 @@ def main(argv):
 
   def compression_for(name):
     config.diloco.codec = name
-    return compression_lib.from_config(config.diloco)
+    return run_config.compression(config.diloco)
 
   shapes = model_lib.param_shapes(config.model)
   n = model_lib.count_params(shapes)

@@ -62,16 +62,16 @@ def _configure_devices(config) -> None:
   """
   # pylint: disable=g-import-not-at-top
   import jax
+  from diloco_jax.config import run_config
   from diloco_jax.parallel import multihost
-  from diloco_jax.config import validation
   # pylint: enable=g-import-not-at-top
   if "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
     count = _CPU_DEVICES.value
     if count is None:
       try:
-        slots = int(validation.effective_islands(config)
-                    * validation.devices_per_island(config))
+        slots = int(run_config.effective_islands(config)
+                    * run_config.devices_per_island(config))
       except (TypeError, ValueError):
         slots = 1  # validation will name the bad field
       processes = multihost.process_count_hint(_NUM_PROCESSES.value)

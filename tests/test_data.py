@@ -7,6 +7,7 @@ import pytest
 
 from tests import helpers
 from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import settings as data_settings
 from diloco_jax.data import embedded
 from diloco_jax.data import packing
 from diloco_jax.data import in_memory_batches as streams
@@ -321,7 +322,7 @@ def test_build_text_files_keeps_both_splits_non_empty(tmp_path):
 ])
 def test_validate_data_config_names_the_bad_field(overrides, message):
   with pytest.raises(ValueError, match=message):
-    corpus_lib.validate_data_config(_data_config(**overrides))
+    data_settings.validate_data_config(_data_config(**overrides))
   with pytest.raises(ValueError, match=message):
     corpus_lib.build_corpus(_data_config(**overrides))
 
@@ -330,15 +331,15 @@ def test_validate_data_config_checks_synthetic_sizes():
   config = _data_config()
   config.synthetic.vocab_size = 70000
   with pytest.raises(ValueError, match=r"config\.data\.synthetic\.vocab_size"):
-    corpus_lib.validate_data_config(config)
+    data_settings.validate_data_config(config)
   config = _data_config(sequence_length=1000)
   with pytest.raises(ValueError, match=r"synthetic\.validation_documents"):
-    corpus_lib.validate_data_config(config)
+    data_settings.validate_data_config(config)
 
 
 def test_validate_data_config_accepts_good_configs(tmp_path):
   _write_text_files(tmp_path, 1)
-  corpus_lib.validate_data_config(_data_config())
-  corpus_lib.validate_data_config(_data_config(corpus="embedded"))
-  corpus_lib.validate_data_config(
+  data_settings.validate_data_config(_data_config())
+  data_settings.validate_data_config(_data_config(corpus="embedded"))
+  data_settings.validate_data_config(
       _data_config(corpus="text_files", path=str(tmp_path)))

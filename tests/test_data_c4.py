@@ -11,6 +11,7 @@ import pytest
 from tests import helpers
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import settings as data_settings
 from diloco_jax.data import sources
 from diloco_jax.data import tokenizer as tokenizer_lib
 
@@ -186,7 +187,7 @@ def test_c4_config_errors_name_the_field(tmp_path, setup, overrides, message):
     _write_c4(tmp_path)
   config = _data_config(path=str(tmp_path), **overrides)
   with pytest.raises(ValueError, match=message):
-    corpus_lib.validate_data_config(config)
+    data_settings.validate_data_config(config)
   with pytest.raises(ValueError, match=message):
     sources.make_batch_source(config, 2, 2, seed=0)
 

@@ -10,6 +10,7 @@ import pytest
 from tests import helpers
 from diloco_jax.data import clustering
 from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import settings as data_settings
 from diloco_jax.data import sources
 from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import tokenizer as tokenizer_lib
@@ -121,14 +122,14 @@ def test_sentencepiece_bad_model_path_names_the_field(tmp_path, path,
   config = _data_config(corpus="embedded", tokenizer="sentencepiece",
                         tokenizer_path=path)
   with pytest.raises(ValueError, match=message):
-    corpus_lib.validate_data_config(config)
+    data_settings.validate_data_config(config)
   with pytest.raises(ValueError, match=message):
     corpus_lib.corpus_vocab_size(config)
 
 
 def test_sentencepiece_is_refused_for_the_synthetic_corpus(sentencepiece_model):
   with pytest.raises(ValueError, match=r"config\.data\.tokenizer"):
-    corpus_lib.validate_data_config(_data_config(
+    data_settings.validate_data_config(_data_config(
         tokenizer="sentencepiece", tokenizer_path=sentencepiece_model))
 
 

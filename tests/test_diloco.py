@@ -9,7 +9,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.config import run_config
+
 from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import evaluation as evaluation_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
@@ -199,7 +200,7 @@ def test_codecs_leave_out_a_nan_island(codec):
   config = config_schema.base_config().diloco
   config.codec = codec
   config.fallback_codec = "int8"
-  compression = compression_lib.from_config(config)
+  compression = run_config.compression(config)
   state, outer_step, weights = helpers.state_after_one_inner_step(
       4, compression, error_feedback=True)
   residuals_before = jax.device_get(state.residuals)

@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from diloco_jax.config import run_config
+
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.config import schema as config_schema
@@ -318,7 +320,7 @@ def test_fp4_sends_the_bytes_int4_sends_wherever_a_dense_codec_goes(
       name, _, value = field.partition(":")
       section, _, leaf = name.rpartition(".")
       (settings[section] if section else settings)[leaf] = value or dense
-    compression = compression_lib.from_config(settings)
+    compression = run_config.compression(settings)
     counts[dense] = compression_lib.mean_bytes(tree, islands, compression)
   assert counts["fp4"] == counts["int4"]
   assert counts["fp4"] < counts["int8"]  # and the codec really was used
@@ -334,7 +336,7 @@ def test_fp4_configs_validate_and_odd_blocks_are_refused():
                      "diloco.lowrank.factor_codec": "fp4"}):
     config = helpers.with_overrides(tiny.get_config(), overrides)
     validation.validate_config(config, num_devices=8)
-    compression = compression_lib.from_config(config.diloco)
+    compression = run_config.compression(config.diloco)
     assert "fp4" in (compression.dense.name, compression.factor_codec.name)
   config = helpers.with_overrides(tiny.get_config(), {
       "diloco.codec": "fp4", "diloco.codec_block_size": 63})

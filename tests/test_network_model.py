@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from diloco_jax.config import run_config
+
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression
 from diloco_jax.config import schema as config_schema
@@ -360,7 +362,7 @@ def test_from_config_reads_a_run_s_config():
   assert workload == nm.Workload(
       "diloco", 4, 0.25,
       compression.mean_bytes(tree, 4,
-                             compression.from_config(config.diloco)),
+                             run_config.compression(config.diloco)),
       inner_steps=20, overlap=config.diloco.get("overlap", "none"))
   # The streaming fields, once the schema has them. The collectives
   # overlap the inner steps only on devices of their own.
@@ -395,7 +397,7 @@ def test_from_config_builds_the_model_s_shapes():
   workload, _ = workloads.from_config(config, 0.25, GBIT)
   assert workload.sync_bytes == compression.mean_bytes(
       model_lib.param_shapes(config.model), config.diloco.islands,
-      compression.from_config(config.diloco))
+      run_config.compression(config.diloco))
 
 
 def test_run_estimate_is_json_for_a_summary():

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
@@ -234,7 +234,7 @@ def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
   settings.codec, settings.codec_block_size = codec, 32
   settings.lowrank.min_rank, settings.lowrank.max_rank = 2, 4
   settings.topk_fraction = 0.1
-  compression = compression_lib.from_config(settings)
+  compression = run_config.compression(settings)
   params, mesh, shardings, delayed, outer, _ = _delayed_setup(
       islands, compression=compression, error_feedback=error_feedback)
   # The undelayed step with outer SGD lr 1 applies x - D: D is its mean.

@@ -7,6 +7,7 @@ the step the loop asks about everything else.
 
 import pytest
 
+from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import schedule
 
@@ -49,7 +50,7 @@ def test_from_config_takes_the_eval_and_checkpoint_cadence():
   config.total_steps, config.diloco.inner_steps = 30, 5
   config.eval.every_rounds = 2
   config.checkpoint.every_rounds, config.checkpoint.every_steps = 0, 7
-  plan = schedule.from_config(config)
+  plan = run_config.schedule(config)
   assert [t for t in range(1, 31) if plan.evaluates(t)] == [10, 20, 30]
   assert [t for t in range(1, 31) if plan.checkpoints(t, t // 5)] == [
       7, 14, 21, 28, 30]

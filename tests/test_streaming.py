@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
+from diloco_jax.config import run_config
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import outer_step as outer_step_lib
@@ -119,7 +120,7 @@ def _compression(codec):
   settings = config_schema.base_config().diloco
   settings.codec, settings.codec_block_size = codec, 32
   settings.lowrank.min_rank, settings.lowrank.max_rank = 2, 4
-  return compression_lib.from_config(settings)
+  return run_config.compression(settings)
 
 
 @pytest.mark.parametrize("codec,error_feedback", [

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diloco_jax.config import run_config
+
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.parallel import communication
 from diloco_jax.algorithm import compression as compression_lib
@@ -358,7 +360,7 @@ def test_adaptive_codec_sends_over_ten_times_less_than_fp32(islands):
   shapes = model_lib.param_shapes(config.model)
   fp32 = communication.island_mean_bytes(shapes, islands)
   top = compression_lib.mean_bytes(
-      shapes, islands, compression_lib.from_config(config.diloco))
+      shapes, islands, run_config.compression(config.diloco))
   assert fp32 / top > 10  # even at the largest rank
 
 
@@ -373,7 +375,7 @@ def test_sparse_codecs_keep_their_ratio_at_any_island_count(name):
   config = default.get_config()
   config.diloco.codec = name
   shapes = model_lib.param_shapes(config.model)
-  compression = compression_lib.from_config(config.diloco)
+  compression = run_config.compression(config.diloco)
   ratios = [communication.island_mean_bytes(shapes, k)
             / compression_lib.mean_bytes(shapes, k, compression)
             for k in (2, 4, 8)]
@@ -486,7 +488,7 @@ def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
   ranks = [r["codec_mean_rank"] for r in records if "codec_mean_rank" in r]
   assert len(ranks) == 4 and all(2 <= r <= 4 for r in ranks)
   shapes = model_lib.param_shapes(config.model)
-  compression = compression_lib.from_config(config.diloco)
+  compression = run_config.compression(config.diloco)
   assert compression.ranks == (2, 4)
   factored = sum(compression.is_structured_leaf(x.shape)
                  for x in jax.tree.leaves(shapes))

@@ -79,25 +79,6 @@ class Compression:
     return True
 
 
-def from_config(diloco_config) -> Compression:
-  """The Compression described by config.diloco (see config_schema)."""
-  c = diloco_config
-  block = c.codec_block_size
-  if c.codec in codecs.DENSE_CODECS:
-    return Compression(c.codec, codecs.make_codec(c.codec, block))
-  fallback = codecs.make_codec(c.fallback_codec, block)
-  if c.codec == "lowrank":
-    return Compression(c.codec, fallback, ranks=(c.lowrank.rank,))
-  if c.codec == "adaptive_lowrank":
-    return Compression(
-        c.codec, fallback,
-        ranks=lowrank.rank_ladder(c.lowrank.min_rank, c.lowrank.max_rank),
-        energy_fraction=c.lowrank.energy_fraction,
-        factor_codec=codecs.make_codec(c.lowrank.factor_codec, block))
-  return Compression(c.codec, fallback, prune_rate=c.prune_rate,
-                     topk_fraction=c.topk_fraction)
-
-
 def as_compression(codec) -> Compression:
   """`codec` as a Compression: None is fp32, a DenseCodec covers the tree."""
   if codec is None:

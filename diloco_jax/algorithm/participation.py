@@ -21,6 +21,7 @@ a pure function of (config, round), so a resumed run draws the same masks.
   not count).
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -48,13 +49,12 @@ def parse_schedule(schedule: str, num_islands: int) -> tuple[str, int, int]:
                    "islands) or 'A<->B' (A and B alternating), e.g. '1->8'")
 
 
-def active_count(schedule: str, num_islands: int, round_index: int,
-                 num_rounds: int) -> int:
-  """How many islands the schedule makes active in round `round_index`
-  (0-based) of `num_rounds`."""
-  if not schedule:
+def _active(parsed: tuple[str, int, int] | None, num_islands: int,
+            round_index: int, num_rounds: int) -> int:
+  """How many islands a parsed schedule (None: all) makes active."""
+  if parsed is None:
     return num_islands
-  kind, first, last = parse_schedule(schedule, num_islands)
+  kind, first, last = parsed
   if kind == "alternate":
     return first if round_index % 2 == 0 else last
   if num_rounds <= 1:
@@ -64,35 +64,67 @@ def active_count(schedule: str, num_islands: int, round_index: int,
   return int(np.floor(first + (last - first) * fraction + 0.5))
 
 
-def round_mask(num_islands: int, round_index: int, num_rounds: int,
-               schedule: str = "", drop_probability: float = 0.0,
-               seed: int = 0) -> np.ndarray:
-  """[num_islands] bool: the islands whose sync counts in this round."""
+def _mask(active: int, num_islands: int, round_index: int,
+          drop_probability: float, seed: int) -> np.ndarray:
   mask = np.zeros(num_islands, bool)
-  mask[:active_count(schedule, num_islands, round_index, num_rounds)] = True
+  mask[:active] = True
   if drop_probability > 0:
     draws = np.random.default_rng([seed, round_index]).random(num_islands)
     mask &= draws >= drop_probability
   return mask
 
 
-def step_masks(config, num_islands: int):
-  """participants(step) -> [num_islands] bool: the islands synced at the end
-  of `step`'s round under `config`. Rounds count from the end of the
-  pretraining (config.pretrain_steps); outside DiLoCo every island takes
-  part."""
-  inner_steps = config.diloco.inner_steps
-  first_round = -(-config.pretrain_steps // inner_steps)
-  num_rounds = -(-config.total_steps // inner_steps) - first_round
+def active_count(schedule: str, num_islands: int, round_index: int,
+                 num_rounds: int) -> int:
+  """How many islands the schedule makes active in round `round_index`
+  (0-based) of `num_rounds`."""
+  parsed = parse_schedule(schedule, num_islands) if schedule else None
+  return _active(parsed, num_islands, round_index, num_rounds)
 
-  def participants(step: int) -> np.ndarray:
-    if config.mode != "diloco":
-      return np.ones(num_islands, bool)
-    round_index = -(-step // inner_steps) - 1 - first_round
-    return round_mask(num_islands, round_index, num_rounds,
-                      config.diloco.island_schedule,
-                      config.diloco.drop_probability, config.seed)
-  return participants
+
+def round_mask(num_islands: int, round_index: int, num_rounds: int,
+               schedule: str = "", drop_probability: float = 0.0,
+               seed: int = 0) -> np.ndarray:
+  """[num_islands] bool: the islands whose sync counts in this round."""
+  return _mask(active_count(schedule, num_islands, round_index, num_rounds),
+               num_islands, round_index, drop_probability, seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Participation:
+  """The islands synced at the end of each step's round, for a run whose
+  schedule was parsed once (parse_schedule).
+
+  Attributes:
+    num_islands: k.
+    inner_steps: H.
+    schedule: parse_schedule's (kind, A, B), or None: every island.
+    drop_probability: each active island's sync dropped with it.
+    seed: seeds the drops.
+    first_round: rounds before it are the pretraining's (rounds count from
+      the end of config.pretrain_steps).
+    num_rounds: the rounds after the pretraining.
+    synced: False outside DiLoCo: every island takes part every step.
+  """
+  num_islands: int
+  inner_steps: int
+  schedule: tuple[str, int, int] | None = None
+  drop_probability: float = 0.0
+  seed: int = 0
+  first_round: int = 0
+  num_rounds: int = 1
+  synced: bool = True
+
+  def __call__(self, step: int) -> np.ndarray:
+    """[num_islands] bool: the islands synced at the end of `step`'s
+    round."""
+    if not self.synced:
+      return np.ones(self.num_islands, bool)
+    round_index = -(-step // self.inner_steps) - 1 - self.first_round
+    return _mask(_active(self.schedule, self.num_islands, round_index,
+                         self.num_rounds),
+                 self.num_islands, round_index, self.drop_probability,
+                 self.seed)
 
 
 def parse_nan_island(spec: str, num_islands: int) -> tuple[int, int]:

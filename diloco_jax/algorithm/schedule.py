@@ -129,25 +129,3 @@ class Schedule:
       if self.fragment_delay == 0 or step == self.total_steps:
         actions.append(Action(MERGE, p))
     return actions
-
-
-def from_config(config) -> Schedule:
-  """The Schedule of a run's config."""
-  diloco_config = config.diloco
-  return Schedule(
-      mode=config.mode, inner_steps=diloco_config.inner_steps,
-      total_steps=config.total_steps, overlap=diloco_config.overlap,
-      fragments=diloco_config.fragments,
-      fragment_delay=diloco_config.fragment_delay,
-      streaming=is_streaming(diloco_config),
-      eval_every_rounds=config.eval.every_rounds,
-      checkpoint_every_rounds=config.checkpoint.every_rounds,
-      checkpoint_every_steps=config.checkpoint.every_steps)
-
-
-def is_streaming(diloco_config) -> bool:
-  """Whether config.diloco asks for Streaming DiLoCo: several fragments, a
-  delayed merge or a blended one (one fragment with tau = 0 and alpha = 0
-  is DiLoCo's own outer step)."""
-  return (diloco_config.fragments > 1 or diloco_config.fragment_delay > 0
-          or diloco_config.fragment_alpha > 0)

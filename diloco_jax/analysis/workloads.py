@@ -8,7 +8,9 @@ import jax.numpy as jnp
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.analysis import network_model
 from diloco_jax.analysis.network_model import Link, Workload
+from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.model import transformer as model_lib
 
 
 def _params_tree(params):
@@ -158,11 +160,10 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
                     inner_steps=d.inner_steps), link
   if sync_bytes is None:
     if params is None:
-      from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
       params = model_lib.param_shapes(config.model)
     stripes = config.mesh.data if config.mesh.fsdp else 1
     # DDP all-reduces float32 gradients, as link_bytes.LinkBytes counts them.
-    codec = (compression_lib.from_config(d) if config.mode == "diloco"
+    codec = (run_config_lib.compression(d) if config.mode == "diloco"
              else "fp32")
     sync_bytes = bytes_per_sync(params, d.islands, codec,
                                 compression_ratio=compression_ratio,

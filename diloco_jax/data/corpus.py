@@ -1,30 +1,26 @@
-"""Building a packed, split corpus from `config.data`.
+"""Building a packed, split corpus from the data settings.
 
 `build_corpus` returns the train and validation sequences of an in-memory
 corpus; `build_island_sequences` splits the train documents into clusters,
-one per island, for non-iid training. `validate_data_config`
-checks a config cheaply so that bad input fails at startup, in one line that
-names the field. The "c4" corpus is streamed instead (see `sources`).
+one per island, for non-iid training. Both take DataSettings (settings.py),
+or a config.data they check first. The "c4" corpus is streamed instead
+(see `sources`).
 """
 import dataclasses
 import sys
 
 import numpy as np
 
-from diloco_jax.data import c4_files
 from diloco_jax.data import clustering
 from diloco_jax.data import embedded
 from diloco_jax.data import errors
 from diloco_jax.data import file_split
 from diloco_jax.data import packing
-from diloco_jax.data import sharded_batches as streaming
+from diloco_jax.data import settings as settings_lib
 from diloco_jax.data import synthetic
 from diloco_jax.data import text_files
-from diloco_jax.data import tfds_documents
 from diloco_jax.data import tokenizer as tokenizer_lib
 
-CORPORA = ("embedded", "synthetic", "text_files", "c4")
-STREAMED_CORPORA = ("c4",)
 
 # Distinct seed streams for the synthetic chain's matrix and its validation
 # documents; train documents use the plain seed. Tags are non-zero because
@@ -66,13 +62,14 @@ class _Documents:
 
 
 def build_corpus(data_config) -> Corpus:
-  """Builds the in-memory corpus that `data_config` (config.data) names.
+  """Builds the in-memory corpus that `data_config` names (DataSettings, or
+  config.data, checked first: DataError).
 
   Corpora: "embedded" (the Python stdlib sources), "synthetic" (a Markov
   chain with a known entropy rate) and "text_files" (files under
   config.data.path); text is tokenized by config.data.tokenizer.
   """
-  validate_data_config(data_config)
+  data_config = settings_lib.of(data_config)
   _refuse_streamed(data_config)
   documents = _read_documents(data_config)
   encode, vocab_size, eos_id = _encoder(data_config, documents)
@@ -109,10 +106,10 @@ def build_island_sequences(data_config, num_islands: int, seed: int
   are packed, in corpus order, into its own sequences. Returns one
   [num_sequences_i, L+1] uint16 array per island.
   """
-  validate_data_config(data_config)
+  data_config = settings_lib.of(data_config)
   _refuse_streamed(data_config)
   documents = _read_documents(data_config)
-  split = island_split(data_config)
+  split = data_config.island_split
   if documents.validation is None:
     raise errors.DataError(
         f"config.data.island_split={split!r} needs a corpus of several "
@@ -136,133 +133,16 @@ def build_island_sequences(data_config, num_islands: int, seed: int
 
 
 def corpus_vocab_size(data_config) -> int:
-  """The token vocabulary `data_config` implies, known without reading data.
-
-  The synthetic corpus has its own symbols; every other corpus has the
-  tokenizer's vocabulary (a SentencePiece model file is read for it).
-  """
-  if data_config.corpus == "synthetic":
-    return data_config.synthetic.vocab_size + 1  # + EOS
-  return tokenizer_lib.build_tokenizer(data_config).vocab_size
+  """The token vocabulary `data_config` implies, known without reading data
+  (DataSettings.vocab_size; a config.data is checked first: DataError)."""
+  return settings_lib.of(data_config).vocab_size
 
 
-def island_split(data_config) -> str:
-  """config.data.island_split, "iid" when the field is absent."""
-  return data_config.get("island_split", "iid") or "iid"
-
-
-def validate_data_config(data_config) -> None:
-  """Raises DataError naming the bad field; reads no corpus.
-
-  A SentencePiece model file is loaded (it is small) to check it.
-  """
-  corpus = _field(data_config, "corpus")
-  if corpus not in CORPORA:
-    raise errors.DataError(f"config.data.corpus={corpus!r} is not one of "
-                           f"{', '.join(repr(name) for name in CORPORA)}")
-  _check_int(data_config, "sequence_length", minimum=1)
-  _check_int(data_config, "seed", minimum=0)
-  fraction = _field(data_config, "validation_fraction")
-  if not 0 < fraction < 1:
-    raise errors.DataError(f"config.data.validation_fraction must be in "
-                           f"(0, 1), got {fraction!r}")
-  split = island_split(data_config)
-  if split not in streaming.ISLAND_SPLITS:
-    raise errors.DataError(
-        f"config.data.island_split={split!r} is not one of "
-        f"{', '.join(repr(name) for name in streaming.ISLAND_SPLITS)}")
-  if corpus == "text_files":
-    path = data_config.get("path") or ""
-    if not path:
-      raise errors.DataError(
-          "config.data.path is required for corpus 'text_files'")
-    problem = text_files.path_problem(path)
-    if problem:
-      raise errors.DataError(f"config.data.path: {problem}")
-  elif corpus == "synthetic":
-    _validate_synthetic(data_config)
-    if tokenizer_lib.tokenizer_name(data_config) != "byte":
-      raise errors.DataError(
-          "config.data.tokenizer: the synthetic corpus is made of token ids "
-          "already; leave the tokenizer at 'byte'")
-  elif corpus == "c4":
-    _validate_c4(data_config)
-  if corpus != "synthetic":
-    tokenizer_lib.build_tokenizer(data_config)
-
-
-def _validate_c4(data_config) -> None:
-  tfds_name = data_config.get("tfds_name", "") or ""
-  path = data_config.get("path") or ""
-  if tfds_name:
-    # path is the TFDS data_dir; empty means TFDS's default directory.
-    if not tfds_documents.tfds_available():
-      raise errors.DataError(
-          f"config.data.tfds_name={tfds_name!r} needs tensorflow-datasets "
-          f"(pip install tensorflow-datasets)")
-    return
-  if not path:
-    raise errors.DataError(
-        "config.data.path is required for corpus 'c4' (a directory or glob "
-        "of C4 JSON-lines shards, or a TFDS data_dir with "
-        "config.data.tfds_name)")
-  problem = c4_files.shards_problem(path)
-  if problem:
-    raise errors.DataError(f"config.data.path: {problem}")
-  train, _ = c4_files.split_shards(path, data_config.validation_fraction)
-  if not train:
-    raise errors.DataError(f"config.data.path: every shard at {path!r} is "
-                           f"named '*validation*'; no train shards are left")
-
-
-def _refuse_streamed(data_config) -> None:
-  if data_config.corpus in STREAMED_CORPORA:
+def _refuse_streamed(data_config: settings_lib.DataSettings) -> None:
+  if data_config.streamed:
     raise errors.DataError(
         f"config.data.corpus={data_config.corpus!r} is streamed, not held in "
         f"memory; use sources.make_batch_source")
-
-
-def _validate_synthetic(data_config) -> None:
-  synthetic_config = _field(data_config, "synthetic")
-  # The EOS id is vocab_size, and every id must fit uint16.
-  _check_int(synthetic_config, "vocab_size", minimum=1,
-             maximum=np.iinfo(np.uint16).max, prefix="config.data.synthetic")
-  concentration = _field(synthetic_config, "concentration",
-                         prefix="config.data.synthetic")
-  if not concentration > 0:
-    raise errors.DataError(f"config.data.synthetic.concentration must be "
-                           f"positive, got {concentration!r}")
-  for name in ("num_documents", "document_length", "validation_documents"):
-    _check_int(synthetic_config, name, minimum=1,
-               prefix="config.data.synthetic")
-  chunk_length = data_config.sequence_length + 1
-  tokens_per_document = synthetic_config.document_length + 1
-  for name in ("num_documents", "validation_documents"):
-    tokens = synthetic_config[name] * tokens_per_document
-    if tokens < chunk_length:
-      raise errors.DataError(
-          f"config.data.synthetic.{name}: {synthetic_config[name]} documents "
-          f"hold {tokens} tokens, fewer than one sequence of "
-          f"sequence_length + 1 = {chunk_length}")
-
-
-def _field(config, name: str, prefix: str = "config.data"):
-  if name not in config:
-    raise errors.DataError(f"{prefix}.{name} is missing")
-  return config[name]
-
-
-def _check_int(config, name: str, minimum: int, maximum: int | None = None,
-               prefix: str = "config.data") -> None:
-  value = _field(config, name, prefix)
-  # bool is an int subclass, but True is never a meaningful size.
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-      or value < minimum or (maximum is not None and value > maximum)):
-    bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    raise errors.DataError(f"{prefix}.{name} must be an integer {bounds}, "
-                           f"got {value!r}")
-
-
 
 
 def _encoder(data_config, documents: _Documents):

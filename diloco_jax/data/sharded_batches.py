@@ -34,9 +34,6 @@ from diloco_jax.data import clustering
 from diloco_jax.data import errors
 from diloco_jax.data import packing
 
-# "clustered_balanced": the same clusters with boundaries moved so that each
-# holds about 1/k of the tokens (clustering.balance_offsets).
-ISLAND_SPLITS = ("iid", "clustered", "clustered_balanced")
 _STATE_KEYS = ("epoch", "shard_position", "offset", "token_offset")
 
 

@@ -12,7 +12,8 @@ Every corpus, in memory or streamed, gives the loop the same object:
 and `make_eval_batches(config.data, batch_size, num_batches)` gives the fixed
 held-out set. In-memory corpora (embedded, synthetic, text_files) keep their
 batches a pure function of the step, so their state is just {"step": s}; the
-streamed C4 corpus keeps each island's read position (see `streaming`).
+streamed C4 corpus keeps each island's read position (see
+`sharded_batches`).
 
 `seed` orders the batches and seeds the k-means of clustered islands;
 config.data.seed builds the corpus (the synthetic chain).
@@ -25,8 +26,9 @@ import numpy as np
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import errors
-from diloco_jax.data import sharded_batches as streaming
-from diloco_jax.data import in_memory_batches as streams
+from diloco_jax.data import in_memory_batches
+from diloco_jax.data import settings as settings_lib
+from diloco_jax.data import sharded_batches
 from diloco_jax.data import tfds_documents
 from diloco_jax.data import tokenizer as tokenizer_lib
 
@@ -105,7 +107,8 @@ class InMemoryBatchSource:
 def make_batch_source(data_config, num_islands: int, batch_size: int,
                       seed: int, islands: range | None = None
                       ) -> BatchSource:
-  """The batch source for config.data, validated first (DataError).
+  """The batch source of `data_config` (DataSettings, or config.data,
+  checked first: DataError).
 
   With `islands` (a consecutive range: a process's own islands in a
   multi-process run) batches hold only those islands' rows, the same rows
@@ -113,20 +116,20 @@ def make_batch_source(data_config, num_islands: int, batch_size: int,
   A streamed corpus reads its first batch here too, so an unreadable first
   shard fails before the training step is compiled.
   """
-  corpus_lib.validate_data_config(data_config)
-  split = corpus_lib.island_split(data_config)
-  if data_config.corpus in corpus_lib.STREAMED_CORPORA:
+  data_config = settings_lib.of(data_config)
+  split = data_config.island_split
+  if data_config.streamed:
     return _streaming_source(data_config, num_islands, batch_size, seed,
                              split, islands)
   corpus = _cached_corpus(data_config)
   if split == "iid":
-    batches = streams.IslandBatches(corpus.train, num_islands, batch_size,
+    batches = in_memory_batches.IslandBatches(corpus.train, num_islands, batch_size,
                                     seed=seed, islands=islands)
     weights = np.full(num_islands, 1.0 / num_islands)
   else:
     island_sequences = corpus_lib.build_island_sequences(
         data_config, num_islands, seed)
-    batches = streams.ClusteredIslandBatches(island_sequences, batch_size,
+    batches = in_memory_batches.ClusteredIslandBatches(island_sequences, batch_size,
                                              seed=seed, islands=islands)
     tokens = np.array([sequences.size for sequences in island_sequences],
                       dtype=np.float64)
@@ -145,12 +148,12 @@ def make_eval_batches(data_config, batch_size: int,
   first sequences packed from the validation shards (or TFDS split
   "validation"), read in order and only as far as needed.
   """
-  corpus_lib.validate_data_config(data_config)
-  if data_config.corpus not in corpus_lib.STREAMED_CORPORA:
+  data_config = settings_lib.of(data_config)
+  if not data_config.streamed:
     corpus = _cached_corpus(data_config)
-    return streams.eval_batches(corpus.validation, batch_size, num_batches)
+    return in_memory_batches.eval_batches(corpus.validation, batch_size, num_batches)
   documents = _c4_documents(data_config, "validation", min_shards=1)
-  sequences = streaming.eval_sequences(
+  sequences = sharded_batches.eval_sequences(
       documents, tokenizer_lib.build_tokenizer(data_config),
       data_config.sequence_length, batch_size * num_batches)
   return sequences.reshape(num_batches, batch_size, -1).astype(np.int32)
@@ -159,22 +162,22 @@ def make_eval_batches(data_config, batch_size: int,
 _corpus_cache: dict = {}
 
 
-def _cached_corpus(data_config) -> corpus_lib.Corpus:
-  """build_corpus, remembered for the last config only.
+def _cached_corpus(data_config: settings_lib.DataSettings
+                   ) -> corpus_lib.Corpus:
+  """build_corpus, remembered for the last settings only.
 
   make_batch_source and make_eval_batches both need the corpus of one
   config; building it once halves the startup time of in-memory corpora.
   """
-  key = data_config.to_json_best_effort(sort_keys=True)
-  if key not in _corpus_cache:
+  if data_config not in _corpus_cache:
     _corpus_cache.clear()
-    _corpus_cache[key] = corpus_lib.build_corpus(data_config)
-  return _corpus_cache[key]
+    _corpus_cache[data_config] = corpus_lib.build_corpus(data_config)
+  return _corpus_cache[data_config]
 
 
 def _c4_documents(data_config, split: str, min_shards: int):
   """The train or validation documents of the c4 corpus."""
-  tfds_name = data_config.get("tfds_name", "") or ""
+  tfds_name = data_config.tfds_name
   if tfds_name:
     return tfds_documents.TfdsRecords(tfds_name, data_config.path, split,
                                       min_shards=min_shards)
@@ -184,7 +187,7 @@ def _c4_documents(data_config, split: str, min_shards: int):
 
 
 def _c4_name(data_config) -> str:
-  tfds_name = data_config.get("tfds_name", "") or ""
+  tfds_name = data_config.tfds_name
   if tfds_name:
     return f"c4 (TFDS {tfds_name}, data_dir {data_config.path or 'default'})"
   return f"c4 ({data_config.path})"
@@ -197,10 +200,10 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
   documents = _c4_documents(data_config, "train", min_shards=num_islands)
   clusters = None
   if split != "iid":
-    clusters = streaming.fit_clusters(
+    clusters = sharded_batches.fit_clusters(
         documents, num_islands, seed, tokenizer, CENTROID_SAMPLE_DOCUMENTS,
         balanced=split == "clustered_balanced")
-  source = streaming.StreamingIslandBatches(
+  source = sharded_batches.StreamingIslandBatches(
       documents, num_islands, batch_size, data_config.sequence_length,
       tokenizer, seed, clusters=clusters, islands=islands)
   source.info = SourceInfo(name=_c4_name(data_config),

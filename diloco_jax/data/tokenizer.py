@@ -90,7 +90,7 @@ Tokenizer = ByteTokenizer | SentencePieceTokenizer
 
 def tokenizer_name(data_config) -> str:
   """config.data.tokenizer, "byte" when the field is absent."""
-  return data_config.get("tokenizer", "byte") or "byte"
+  return getattr(data_config, "tokenizer", "byte") or "byte"
 
 
 def build_tokenizer(data_config) -> Tokenizer:
@@ -105,7 +105,7 @@ def build_tokenizer(data_config) -> Tokenizer:
                            f"{', '.join(repr(known) for known in TOKENIZERS)}")
   if name == "byte":
     return ByteTokenizer()
-  path = data_config.get("tokenizer_path", "") or ""
+  path = getattr(data_config, "tokenizer_path", "") or ""
   if not path:
     raise errors.DataError(
         "config.data.tokenizer_path is required for "

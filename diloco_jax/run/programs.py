@@ -15,18 +15,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import evaluation as evaluation_lib
-from diloco_jax.algorithm import inner_step as inner_step_lib
-
-from diloco_jax.algorithm import outer_step as outer_step_lib
-
-from diloco_jax.algorithm import overlap as overlap_lib
-
-from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import background
 from diloco_jax.run import integrity
-from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.run import state_spec as state_spec_lib
 
 
 class Programs(NamedTuple):
@@ -54,11 +52,11 @@ def batch_shapes(mesh, islands: int, batch_size: int, seq_len: int,
           shape((islands,), np.float32, P(mesh_lib.ISLAND)))
 
 
-def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
-                     compression, state, batch, eval_batch,
-                     weights, saved_state=None,
+def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
+                     spec: state_spec_lib.StateSpec, state, batch,
+                     eval_batch, weights, saved_state=None,
                      num_eval_batches: int = 1) -> Programs:
-  """Compiles the inner step, outer step (diloco) and evaluations.
+  """Compiles the inner step, DiLoCo's syncs and the evaluations.
 
   `state`, `batch`, `eval_batch` and `weights` may be abstract
   (jax.ShapeDtypeStruct with shardings). `saved_state` is the state
@@ -68,56 +66,84 @@ def compile_programs(config, mesh, loss_fn, inner_opt, outer_opt,
   `num_eval_batches`: how many eval batches the islands' average
   (config.eval.island_mean) is scored on, all in one program.
   """
+  config = run_config.config
   saved_state = state if saved_state is None else saved_state
-  on_device = config.diloco.get("outer_placement", "device") == "device"
   start = time.perf_counter()
-  mode, fsdp = config.mode, config.mesh.fsdp
   inner_step = inner_step_lib.make_inner_step(
-      loss_fn, inner_opt, mesh,
-      sync_gradients_across_islands=(mode == "ddp"),
-      microbatches=config.data.microbatches, fsdp=fsdp).lower(
+      loss_fn, spec.inner_opt, mesh,
+      sync_gradients_across_islands=(config.mode == "ddp"),
+      microbatches=config.data.microbatches, fsdp=config.mesh.fsdp).lower(
           state, batch).compile()
-  outer_step = evaluate_island_mean = flush = sends = merges = None
-  rounding_seed = (config.seed if config.diloco.stochastic_rounding
-                   else None)
-  if mode == "diloco" and schedule_lib.is_streaming(config.diloco):
-    num_fragments = config.diloco.fragments
-    if on_device:
-      sends = tuple(fragments_lib.make_fragment_send(
-          outer_opt, mesh, num_fragments, p, compression, rounding_seed,
-          fsdp).lower(state, weights).compile()
-                    for p in range(num_fragments))
-    # With 'host' the sends are HostOuter's, and a merge takes the
-    # fragment's x from the outer devices.
-    assignment = fragments_lib.leaf_fragments(state.global_params,
-                                              num_fragments)
-
-    def merge_args(p):
-      if on_device:
-        return (state,)
-      return (state, fragments_lib.select(state.global_params, assignment, p))
-
-    merges = tuple(fragments_lib.make_fragment_merge(
-        mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
-        inner_opt).lower(*merge_args(p)).compile()
-                   for p in range(num_fragments))
-  elif mode == "diloco" and on_device:
-    outer_step = outer_step_lib.make_outer_step(
-        outer_opt, mesh, compression, rounding_seed=rounding_seed, fsdp=fsdp,
-        inner_opt=inner_opt,
-        restart_dropped=config.diloco.dropped_islands == "idle",
-        overlap=config.diloco.overlap).lower(state, weights).compile()
-    if overlap_lib.is_delayed(config.diloco.overlap):
-      flush = outer_step_lib.make_flush(outer_opt, mesh, fsdp).lower(state).compile()
-  if mode == "diloco" and config.eval.island_mean:
-    evaluate_island_mean = evaluation_lib.make_evaluate_island_mean(loss_fn).lower(
-        state, (eval_batch,) * num_eval_batches).compile()
-  evaluate = evaluation_lib.make_evaluate(loss_fn, mode).lower(
+  syncs = {}
+  if config.mode == "diloco" and run_config.streaming:
+    syncs = _fragment_programs(run_config, mesh, spec, state, weights)
+  elif config.mode == "diloco" and not run_config.host_outer:
+    syncs = _outer_programs(run_config, mesh, spec, state, weights)
+  evaluate_island_mean = None
+  if config.mode == "diloco" and config.eval.island_mean:
+    evaluate_island_mean = evaluation_lib.make_evaluate_island_mean(
+        loss_fn).lower(state, (eval_batch,) * num_eval_batches).compile()
+  evaluate = evaluation_lib.make_evaluate(loss_fn, config.mode).lower(
       state, eval_batch).compile()
-  return Programs(inner_step, outer_step, flush, sends, merges, evaluate,
-                  evaluate_island_mean,
-                  integrity.compile_inspector(saved_state),
-                  time.perf_counter() - start)
+  return Programs(
+      inner_step=inner_step, outer_step=syncs.get("outer_step"),
+      flush=syncs.get("flush"), sends=syncs.get("sends"),
+      merges=syncs.get("merges"), evaluate=evaluate,
+      evaluate_island_mean=evaluate_island_mean,
+      inspect_state=integrity.compile_inspector(saved_state),
+      compile_s=time.perf_counter() - start)
+
+
+def _rounding_seed(config) -> int | None:
+  return config.seed if config.diloco.stochastic_rounding else None
+
+
+def _outer_programs(run_config: run_config_lib.RunConfig, mesh,
+                    spec: state_spec_lib.StateSpec, state, weights) -> dict:
+  """DiLoCo's outer step on the compute devices (and the flush of a
+  delayed overlap)."""
+  config = run_config.config
+  fsdp, overlap = config.mesh.fsdp, config.diloco.overlap
+  programs = {"outer_step": outer_step_lib.make_outer_step(
+      spec.outer_opt, mesh, spec.compression,
+      rounding_seed=_rounding_seed(config), fsdp=fsdp,
+      inner_opt=spec.inner_opt,
+      restart_dropped=config.diloco.dropped_islands == "idle",
+      overlap=overlap).lower(state, weights).compile()}
+  if overlap_lib.is_delayed(overlap):
+    programs["flush"] = outer_step_lib.make_flush(
+        spec.outer_opt, mesh, fsdp).lower(state).compile()
+  return programs
+
+
+def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
+                       spec: state_spec_lib.StateSpec, state,
+                       weights) -> dict:
+  """Streaming DiLoCo's per-fragment sends (on the compute devices; with
+  'host' they are host_outer's) and merges (with 'host' a merge takes the
+  fragment's x from the outer devices)."""
+  config = run_config.config
+  fsdp, num_fragments = config.mesh.fsdp, config.diloco.fragments
+  on_device = not run_config.host_outer
+  programs = {}
+  if on_device:
+    programs["sends"] = tuple(fragments_lib.make_fragment_send(
+        spec.outer_opt, mesh, num_fragments, p, spec.compression,
+        _rounding_seed(config), fsdp).lower(state, weights).compile()
+                              for p in range(num_fragments))
+  assignment = fragments_lib.leaf_fragments(state.global_params,
+                                            num_fragments)
+
+  def merge_args(p):
+    if on_device:
+      return (state,)
+    return (state, fragments_lib.select(state.global_params, assignment, p))
+
+  programs["merges"] = tuple(fragments_lib.make_fragment_merge(
+      mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
+      spec.inner_opt).lower(*merge_args(p)).compile()
+                             for p in range(num_fragments))
+  return programs
 
 
 def compile_in_background(*args, **kwargs) -> concurrent.futures.Future:

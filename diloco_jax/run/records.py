@@ -9,7 +9,6 @@ import math
 
 from diloco_jax.run import progress as progress_lib
 from diloco_jax.analysis import flops
-from diloco_jax.algorithm import schedule as schedule_lib
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
@@ -57,7 +56,7 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
-def summary(config, progress: progress_lib.Progress, *, num_params: int,
+def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
             start_step: int, start_tokens: int, timings: dict,
             flops_per_token: float, mesh, eval_loss: float,
             island_mean_loss: float | None,
@@ -67,7 +66,7 @@ def summary(config, progress: progress_lib.Progress, *, num_params: int,
   Throughput counts only the tokens of this process's steps (from
   start_tokens), over timings['train_s'].
   """
-  mode = config.mode
+  config, mode = run_config.config, run_config.config.mode
   result = {
       "mode": mode,
       "islands": progress.islands,
@@ -82,8 +81,7 @@ def summary(config, progress: progress_lib.Progress, *, num_params: int,
       "codec": config.diloco.codec if mode == "diloco" else "fp32",
       "overlap": config.diloco.overlap,
       "outer_placement": config.diloco.outer_placement,
-      "fragments": (config.diloco.fragments
-                    if schedule_lib.is_streaming(config.diloco) else None),
+      "fragments": config.diloco.fragments if run_config.streaming else None,
       # What the codec saved on the syncs, and what it saved against DDP.
       "compression_vs_fp32": ratio(progress.fp32_comm_bytes,
                                    progress.comm_bytes),

@@ -1,9 +1,9 @@
-"""What a run is built from before its first step, and where it starts.
+"""What a run is built from before its first step.
 
 `build` makes a run's mesh, data streams, state layout and (with
-config.diloco.outer_placement='host') the outer side; a `RunSetup` then
-gives the state a run starts from: the newest readable checkpoint
-(`restore`), or fresh params or another run's model (`first_start`).
+config.diloco.outer_placement='host') the outer side, as a `RunSetup`;
+start.py gives the state it starts from. `check_processes` refuses, on
+every process alike, a multi-process run that would leave a process idle.
 """
 
 import dataclasses
@@ -15,38 +15,35 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco_jax.run import progress as progress_lib
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.model import transformer as model_lib
-from diloco_jax.parallel import multihost
-from diloco_jax.run import host_outer as host_outer_lib
-from diloco_jax.parallel import placement
-from diloco_jax.run import programs as programs_lib
-from diloco_jax.run import resume
-from diloco_jax.algorithm import schedule as schedule_lib
-from diloco_jax.run import state_spec as state_spec_lib
+from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
-from diloco_jax.run import warm_start
 from diloco_jax.data import sources
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import multihost
+from diloco_jax.parallel import outer_devices as outer_devices_lib
+from diloco_jax.parallel import placement
+from diloco_jax.run import host_outer as host_outer_lib
+from diloco_jax.run import programs as programs_lib
+from diloco_jax.run import state_spec as state_spec_lib
 
 
-@dataclasses.dataclass
-class Start:
-  """Where a run's loop starts.
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """A run's data on this process.
 
   Attributes:
-    step: the last step the state has taken.
-    meta: the checkpoint's metadata ({} for a first start).
-    state: the whole state, as checkpoints hold it.
-    progress: the run's counters at `step`.
-    restored: whether `state` is this run's own checkpoint.
+    held: the islands whose data this process reads.
+    batches: this process's islands' training batches.
+    eval_set: the eval batches (host arrays).
+    island_shares: each island's share of the corpus, times k (1 for iid
+      islands): the outer mean weights islands by it.
   """
-  step: int
-  meta: dict
-  state: state_lib.TrainState
-  progress: progress_lib.Progress
-  restored: bool
+  held: range
+  batches: sources.BatchSource
+  eval_set: list
+  island_shares: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,37 +51,38 @@ class RunSetup:
   """A run's mesh, data, state layout and outer side.
 
   Attributes:
-    config: the run's config.
-    islands: k, the logical islands.
+    run_config: the run's validated config.
     mesh: the compute mesh ('island', 'data', 'stage').
     batch_shape, eval_shape, weights_shape: abstract training batch, eval
       batch and outer-mean island weights, with their shardings.
-    held: the islands whose data this process reads.
-    batches: this process's islands' training batches.
-    eval_set: the eval batches (host arrays).
-    island_shares: each island's share of the corpus, times k (1 for iid
-      islands): the outer mean weights islands by it.
+    data: this process's batches and the eval set.
     spec: the state's optimizers and codec.
     abstract_state: the whole state's shapes.
     state_shardings: where the whole state lives on `mesh`.
     loss_fn: loss_fn(params, batch) of the model.
     host_outer: the outer side with outer_placement='host', else None.
   """
-  config: Any
-  islands: int
+  run_config: run_config_lib.RunConfig
   mesh: jax.sharding.Mesh
   batch_shape: jax.ShapeDtypeStruct
   eval_shape: jax.ShapeDtypeStruct
   weights_shape: jax.ShapeDtypeStruct
-  held: range
-  batches: sources.BatchSource
-  eval_set: list
-  island_shares: np.ndarray
+  data: Data
   spec: state_spec_lib.StateSpec
   abstract_state: state_lib.TrainState
   state_shardings: Any
   loss_fn: Any
   host_outer: host_outer_lib.OuterSide | None
+
+  @property
+  def config(self):
+    """The run's config fields (frozen)."""
+    return self.run_config.config
+
+  @property
+  def islands(self) -> int:
+    """k, the logical islands."""
+    return self.run_config.islands
 
   @property
   def num_params(self) -> int:
@@ -113,54 +111,18 @@ class RunSetup:
 
   def compile_in_background(self):
     """Starts compiling the run's programs from shapes; .result() gives
-    programs.Programs (HostOuter's programs compile alongside)."""
+    programs.Programs (the outer side's programs compile alongside)."""
     whole_abstract = placement.with_shardings(self.abstract_state,
                                               self.state_shardings)
     compiling = programs_lib.compile_in_background(
-        self.config, self.mesh, self.loss_fn, self.spec.inner_opt,
-        self.spec.outer_opt, self.spec.compression,
+        self.run_config, self.mesh, self.loss_fn, self.spec,
         (whole_abstract if self.host_outer is None
          else host_outer_lib.strip(whole_abstract)), self.batch_shape,
         self.eval_shape, self.weights_shape, whole_abstract,
-        num_eval_batches=len(self.eval_set))
+        num_eval_batches=len(self.data.eval_set))
     if self.host_outer is not None:
       self.host_outer.compile_in_background(whole_abstract)
     return compiling
-
-  def first_start(self, source: warm_start.Source | None) -> Start:
-    """A run's first start (also where a rollback finds no checkpoint):
-    fresh params, or `source`'s model."""
-    config = self.config
-    if source is None:
-      # Params are created on their devices, already sharded.
-      with model_lib.fast_init_compile():
-        state = jax.jit(lambda seed: self.spec.init(
-            model_lib.new_params(config.model, seed)),
-                        out_shardings=self.state_shardings)(config.seed)
-      return Start(0, {}, state, progress_lib.Progress(self.islands),
-                   restored=False)
-    start = warm_start.load(source, self.spec, config, self.mesh,
-                            self.state_shardings)
-    meta = start.meta
-    progress = progress_lib.Progress(
-        self.islands, rounds_done=meta.get("rounds_done", 0),
-        tokens_seen=meta.get("tokens_seen", 0),
-        initialized_from=start.record(source))
-    return Start(start.step, meta, start.state, progress, restored=False)
-
-  def restore(self, checkpointer, compare_config: bool = True
-              ) -> Start | None:
-    """The newest readable checkpoint of this run, or None (see
-    resume.restore_latest for what it refuses)."""
-    restored = resume.restore_latest(
-        checkpointer, self.config, self.abstract_state, self.mesh,
-        self.spec.inner_opt, self.islands, compare_config=compare_config)
-    if restored is None:
-      return None
-    step, meta, state = restored
-    return Start(step, meta, state,
-                 progress_lib.Progress.from_meta(meta, self.islands),
-                 restored=True)
 
   def describe_placement(self) -> str:
     """Where the islands run, for the log."""
@@ -175,50 +137,100 @@ class RunSetup:
     return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
 
 
-def build(config, devices, outer_devices=None) -> RunSetup:
+def build(run_config: run_config_lib.RunConfig, devices,
+          outer_devices=None) -> RunSetup:
   """A run's RunSetup on `devices` (and `outer_devices` for the outer side
   with outer_placement='host'); reads the data, compiles nothing."""
-  phase_start = time.perf_counter()
-  islands = validation.effective_islands(config)
-  batch_size = config.data.batch_size
+  config, islands = run_config.config, run_config.islands
   mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
                              devices)
   batch_shape, eval_shape, weights_shape = programs_lib.batch_shapes(
-      mesh, islands, batch_size, config.data.sequence_length,
+      mesh, islands, config.data.batch_size, config.data.sequence_length,
       config.eval.batch_size)
-  # Each process reads the data of its own islands only.
+  spec = state_spec_lib.for_run(run_config)
+  abstract_state = spec.abstract(config.model)
+  return RunSetup(
+      run_config=run_config, mesh=mesh, batch_shape=batch_shape,
+      eval_shape=eval_shape, weights_shape=weights_shape,
+      data=_read_data(run_config, batch_shape), spec=spec,
+      abstract_state=abstract_state,
+      state_shardings=state_lib.state_shardings(abstract_state, mesh,
+                                                config.mesh.fsdp),
+      loss_fn=functools.partial(model_lib.next_token_loss,
+                                model_lib.graphdef(config.model)),
+      host_outer=(None if outer_devices is None else _host_outer(
+          run_config, spec, mesh, outer_devices)))
+
+
+def _read_data(run_config: run_config_lib.RunConfig, batch_shape) -> Data:
+  """This process's islands' batches (each process reads the data of its
+  own islands only) and the eval set."""
+  phase_start = time.perf_counter()
+  config, islands = run_config.config, run_config.islands
   held = multihost.local_islands(batch_shape.sharding, batch_shape.shape)
-  batches = sources.make_batch_source(config.data, islands, batch_size,
+  batches = sources.make_batch_source(run_config.data, islands,
+                                      config.data.batch_size,
                                       seed=config.data.seed, islands=held)
-  eval_set = sources.make_eval_batches(config.data, config.eval.batch_size,
+  eval_set = sources.make_eval_batches(run_config.data,
+                                       config.eval.batch_size,
                                        config.eval.num_batches)
+  logging.info("data ready in %.1fs (islands %d..%d on this process)",
+               time.perf_counter() - phase_start, held.start, held.stop - 1)
   # The outer mean weights island i by the tokens it processed this round
   # times its cluster's share of the corpus (uniform for iid islands), so the
   # averaged update stands for the whole data distribution.
-  island_shares = batches.island_token_weights() * islands
-  logging.info("data ready in %.1fs (islands %d..%d on this process)",
-               time.perf_counter() - phase_start, held.start, held.stop - 1)
-  spec = state_spec_lib.for_config(config)
-  abstract_state = spec.abstract(config.model)
-  host_outer = None
-  if outer_devices is not None:
-    host_outer = host_outer_lib.build(
-        outer_devices, islands, mesh, spec.outer_opt, spec.compression,
-        spec.inner_opt,
-        rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                       else None),
-        restart_dropped=config.diloco.dropped_islands == "idle",
-        overlap=config.diloco.overlap,
-        fragments=(config.diloco.fragments
-                   if schedule_lib.is_streaming(config.diloco) else None),
-        fsdp=config.mesh.fsdp)
-  return RunSetup(
-      config=config, islands=islands, mesh=mesh, batch_shape=batch_shape,
-      eval_shape=eval_shape, weights_shape=weights_shape, held=held,
-      batches=batches, eval_set=eval_set, island_shares=island_shares,
-      spec=spec, abstract_state=abstract_state,
-      state_shardings=state_lib.state_shardings(abstract_state, mesh,
-                                             config.mesh.fsdp),
-      loss_fn=functools.partial(model_lib.next_token_loss,
-                                model_lib.graphdef(config.model)),
-      host_outer=host_outer)
+  return Data(held=held, batches=batches, eval_set=eval_set,
+              island_shares=batches.island_token_weights() * islands)
+
+
+def _host_outer(run_config: run_config_lib.RunConfig,
+                spec: state_spec_lib.StateSpec, mesh,
+                outer_devices) -> host_outer_lib.OuterSide:
+  config = run_config.config
+  return host_outer_lib.build(
+      outer_devices, run_config.islands, mesh, spec.outer_opt,
+      spec.compression, spec.inner_opt,
+      rounding_seed=(config.seed if config.diloco.stochastic_rounding
+                     else None),
+      restart_dropped=config.diloco.dropped_islands == "idle",
+      overlap=config.diloco.overlap,
+      fragments=config.diloco.fragments if run_config.streaming else None,
+      fsdp=config.mesh.fsdp)
+
+
+def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:
+  """ConfigError (on every process alike) if a process of a multi-process
+  run would have no device in the mesh of the run or of its pretraining,
+  or could not gather its FSDP islands for outer_placement='host'."""
+  if jax.process_count() == 1:
+    return
+  config, islands = run_config.config, run_config.islands
+  mesh = mesh_lib.build_mesh(islands, config.mesh.data, config.mesh.stage,
+                             devices)
+  idle = multihost.idle_processes(mesh)
+  if idle:
+    raise validation.ConfigError(
+        f"{islands} island(s) x mesh.data={config.mesh.data} x mesh.stage="
+        f"{config.mesh.stage} use {mesh.devices.size} of the "
+        f"{len(devices)} devices, leaving process(es) {idle} of "
+        f"{jax.process_count()} without any: use more islands or spread "
+        "each island over the processes with config.mesh.data")
+  split = (outer_devices_lib.islands_across_processes(mesh)
+           if run_config.host_outer and config.mesh.fsdp else [])
+  if split:
+    raise validation.ConfigError(
+        "config.diloco.outer_placement='host' with config.mesh.fsdp gathers "
+        "each island on its own process's outer device, but island slot(s) "
+        f"{split} span processes (config.mesh.data={config.mesh.data}); "
+        "keep each island's devices in one process, or use "
+        "outer_placement='device'")
+  if config.pretrain_steps and len(multihost.idle_processes(
+      mesh_lib.build_mesh(1, config.mesh.data, config.mesh.stage,
+                          devices))):
+    raise validation.ConfigError(
+        f"config.pretrain_steps={config.pretrain_steps}: the pretraining is "
+        f"one worker, on mesh.data x mesh.stage = {config.mesh.data} x "
+        f"{config.mesh.stage} devices, which leaves processes of this "
+        f"{jax.process_count()}-process run idle; pretrain in a run of its "
+        "own (e.g. one process, config.mode=single) and start this one "
+        "from it with config.init_from=THAT_WORKDIR")

@@ -13,12 +13,11 @@ import jax
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments as fragments_lib
-from diloco_jax.model import transformer as model_lib
 from diloco_jax.algorithm import optimizers
-from diloco_jax.algorithm import schedule as schedule_lib
-from diloco_jax.config import validation
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.model import transformer as model_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +32,8 @@ class StateSpec:
     compression: the codec settings (None outside 'diloco').
     error_feedback: whether the state keeps per-island residuals.
     seed: seeds the params and the codec state.
-    overlap: overlap_lib.OVERLAPS; a delayed one keeps the update in flight, and
-      'one_step_delay_rebase' the islands' anchors too.
+    overlap: one of overlap.OVERLAPS; a delayed one keeps the update in
+      flight, and 'one_step_delay_rebase' the islands' anchors too.
     fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
       (the outer optimizer then keeps one state per fragment).
   """
@@ -64,23 +63,35 @@ class StateSpec:
     return jax.eval_shape(self.init, model_lib.param_shapes(model_config))
 
 
-def for_config(config, islands: int | None = None) -> StateSpec:
-  """The StateSpec of `config` (islands: the config's effective count)."""
-  mode = config.mode
+def for_config(config, islands: int | None = None,
+               compression: compression_lib.Compression | None = None
+               ) -> StateSpec:
+  """The StateSpec of `config` (a run's, or one a checkpoint recorded).
+
+  Args:
+    config: a complete config (from base_config, or from_record).
+    islands: the logical islands (default: the config's effective count).
+    compression: the config's codec if already built (RunConfig's).
+  """
+  mode, diloco = config.mode, config.diloco
+  if compression is None and mode == "diloco":
+    compression = run_config_lib.compression(diloco)
   return StateSpec(
       mode=mode,
-      islands=(validation.effective_islands(config) if islands is None
+      islands=(run_config_lib.effective_islands(config) if islands is None
                else islands),
       inner_opt=optimizers.inner_optimizer(config.inner_optimizer,
                                            config.total_steps),
-      outer_opt=optimizers.outer_optimizer(config.diloco.outer_optimizer),
-      compression=(compression_lib.from_config(config.diloco)
-                   if mode == "diloco" else None),
-      error_feedback=mode == "diloco" and config.diloco.error_feedback,
+      outer_opt=optimizers.outer_optimizer(diloco.outer_optimizer),
+      compression=compression if mode == "diloco" else None,
+      error_feedback=mode == "diloco" and diloco.error_feedback,
       seed=config.seed,
-      # Configs saved before the field existed had no overlap.
-      overlap=(config.diloco.get("overlap", "none") if mode == "diloco"
-               else "none"),
-      fragments=(config.diloco.fragments if mode == "diloco"
-                 and "fragments" in config.diloco
-                 and schedule_lib.is_streaming(config.diloco) else 0))
+      overlap=diloco.overlap if mode == "diloco" else "none",
+      fragments=(diloco.fragments if mode == "diloco"
+                 and run_config_lib.is_streaming(diloco) else 0))
+
+
+def for_run(run_config: run_config_lib.RunConfig) -> StateSpec:
+  """The StateSpec of a validated run config."""
+  return for_config(run_config.config, run_config.islands,
+                    run_config.compression)

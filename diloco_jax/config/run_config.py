@@ -1,0 +1,136 @@
+"""What a config stands for, as typed values built once.
+
+validation.validate_config checks a config and returns a `RunConfig`: the
+config frozen, with what the layers below need already parsed from it: the
+islands, the codec, the schedule of syncs, the participating islands, the
+data settings. The run layer hands those down; nothing below re-reads
+strings from the config. The builders here also serve configs that are not
+a run's own (a warm start's source, experiments, benchmarks).
+"""
+
+import dataclasses
+
+import ml_collections
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import participation as participation_lib
+from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.codecs import dense as dense_codecs
+from diloco_jax.codecs import lowrank
+from diloco_jax.data import settings as data_settings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A checked config and what it stands for.
+
+  Attributes:
+    config: every field, frozen (ml_collections.FrozenConfigDict).
+    islands: the logical islands the run uses (1 for `single`).
+    compression: the codec of DiLoCo's syncs (None outside 'diloco').
+    schedule: what runs after each inner step.
+    participation: participation(step) -> the islands synced at the end of
+      that step's round.
+    nan_island: config.testing.nan_island as (island, 1-based round), or
+      None.
+    data: config.data's settings.
+    streaming: whether the run is Streaming DiLoCo.
+  """
+  config: ml_collections.FrozenConfigDict
+  islands: int
+  compression: compression_lib.Compression | None
+  schedule: schedule_lib.Schedule
+  participation: participation_lib.Participation
+  nan_island: tuple[int, int] | None
+  data: data_settings.DataSettings
+  streaming: bool
+
+  @property
+  def host_outer(self) -> bool:
+    """Whether the outer step runs on devices of its own."""
+    return self.config.diloco.outer_placement == "host"
+
+
+def build(config, data: data_settings.DataSettings) -> RunConfig:
+  """The RunConfig of a config validation has checked."""
+  frozen = ml_collections.FrozenConfigDict(config)
+  islands = effective_islands(frozen)
+  nan_island = frozen.testing.nan_island
+  return RunConfig(
+      config=frozen, islands=islands,
+      compression=(compression(frozen.diloco) if frozen.mode == "diloco"
+                   else None),
+      schedule=schedule(frozen), participation=participation(frozen, islands),
+      nan_island=(participation_lib.parse_nan_island(nan_island, islands)
+                  if nan_island else None),
+      data=data, streaming=is_streaming(frozen.diloco))
+
+
+def effective_islands(config) -> int:
+  """Islands actually used: `single` mode is one worker whatever the
+  config says."""
+  return 1 if config.mode == "single" else config.diloco.islands
+
+
+def devices_per_island(config) -> int:
+  """data x stage: the devices one island needs (islands fold onto them)."""
+  return config.mesh.data * config.mesh.stage
+
+
+def is_streaming(diloco_config) -> bool:
+  """Whether config.diloco asks for Streaming DiLoCo: several fragments, a
+  delayed merge or a blended one (one fragment with tau = 0 and alpha = 0
+  is DiLoCo's own outer step)."""
+  return (diloco_config.fragments > 1 or diloco_config.fragment_delay > 0
+          or diloco_config.fragment_alpha > 0)
+
+
+def compression(diloco_config) -> compression_lib.Compression:
+  """The Compression config.diloco describes (codec and settings)."""
+  c = diloco_config
+  block = c.codec_block_size
+  if c.codec in dense_codecs.DENSE_CODECS:
+    return compression_lib.Compression(
+        c.codec, dense_codecs.make_codec(c.codec, block))
+  fallback = dense_codecs.make_codec(c.fallback_codec, block)
+  if c.codec == "lowrank":
+    return compression_lib.Compression(c.codec, fallback,
+                                       ranks=(c.lowrank.rank,))
+  if c.codec == "adaptive_lowrank":
+    return compression_lib.Compression(
+        c.codec, fallback,
+        ranks=lowrank.rank_ladder(c.lowrank.min_rank, c.lowrank.max_rank),
+        energy_fraction=c.lowrank.energy_fraction,
+        factor_codec=dense_codecs.make_codec(c.lowrank.factor_codec, block))
+  return compression_lib.Compression(c.codec, fallback,
+                                     prune_rate=c.prune_rate,
+                                     topk_fraction=c.topk_fraction)
+
+
+def schedule(config) -> schedule_lib.Schedule:
+  """The Schedule of a run's config."""
+  d = config.diloco
+  return schedule_lib.Schedule(
+      mode=config.mode, inner_steps=d.inner_steps,
+      total_steps=config.total_steps, overlap=d.overlap,
+      fragments=d.fragments, fragment_delay=d.fragment_delay,
+      streaming=is_streaming(d), eval_every_rounds=config.eval.every_rounds,
+      checkpoint_every_rounds=config.checkpoint.every_rounds,
+      checkpoint_every_steps=config.checkpoint.every_steps)
+
+
+def participation(config, islands: int
+                  ) -> participation_lib.Participation:
+  """Which of `islands` take part in each round under `config`. Rounds
+  count from the end of the pretraining (config.pretrain_steps); outside
+  DiLoCo every island takes part."""
+  d = config.diloco
+  first_round = -(-config.pretrain_steps // d.inner_steps)
+  return participation_lib.Participation(
+      num_islands=islands, inner_steps=d.inner_steps,
+      schedule=(participation_lib.parse_schedule(d.island_schedule, islands)
+                if d.island_schedule else None),
+      drop_probability=d.drop_probability, seed=config.seed,
+      first_round=first_round,
+      num_rounds=-(-config.total_steps // d.inner_steps) - first_round,
+      synced=config.mode == "diloco")
