@@ -1,0 +1,41 @@
+"""diloco_jax: DiLoCo-family low-communication training of language models
+across islands of accelerators, in JAX/Flax.
+
+The package is layered; a module imports only from its own subpackage and
+from the layers below it (tests/test_layers.py checks this):
+
+  main.py, launch.py   entry points: `python -m diloco_jax.main`, the
+                       multi-process launcher
+  run/                 the driver: setup, the loop, checkpoints, metrics,
+                       the outer step on devices of its own
+  analysis/            FLOPs, bytes over the link, the network model
+  config/              the schema, one validation, RunConfig
+  algorithm/           pure functions over pytrees: inner and outer steps,
+                       overlap, streaming, compression, optimizers
+  parallel/            mesh, placement, the communication boundary,
+                       processes
+  codecs/  model/  data/   dense/sparse/low-rank codecs of vectors; the
+                       transformer; the host-side data pipeline
+
+Start with run/train.py (train_and_evaluate), algorithm/outer_step.py (the
+outer step), parallel/placement.py (where arrays live) and run/loop.py
+(the loop). docs/architecture.md has the picture.
+"""
+
+import importlib as _importlib
+import warnings as _warnings
+
+# Modules users import by their names before the layers (every config file
+# imports config_schema; scripts call train.train_and_evaluate): still
+# importable from here, with a warning naming the new place.
+_MOVED = {"config_schema": "diloco_jax.config.schema",
+          "train": "diloco_jax.run.train"}
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    _warnings.warn(f"diloco_jax.{name} moved to {_MOVED[name]}; import it "
+                   "from there", DeprecationWarning, stacklevel=2)
+    module = globals()[name] = _importlib.import_module(_MOVED[name])
+    return module
+  raise AttributeError(f"module 'diloco_jax' has no attribute {name!r}")

@@ -15,6 +15,7 @@ are compared with fp32 under the same outer step.
 Full run: 15 points x 3 seeds; the runs take 42 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 _EF = {"diloco.error_feedback": True}
@@ -58,7 +59,7 @@ STUDY = study_lib.Study(
             for name, overrides in _CODECS.items()
             if name in ("fp32", "topk1%_ef", "lowrank4_ef")),
     reference="fp32",
-    plot=study_lib.pareto_plot,
+    plot=plots.pareto_plot,
     quick_points=("fp32", "int8", "ddp"),
 )
 

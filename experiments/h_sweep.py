@@ -10,6 +10,7 @@ sending 20x less.
 Full run: 5 points x 3 seeds; the runs take 14 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 STUDY = study_lib.Study(
@@ -20,7 +21,7 @@ STUDY = study_lib.Study(
     points=tuple(study_lib.Point(f"H={h}", {"diloco.inner_steps": h}, x=h)
                  for h in (5, 10, 25, 50, 100)),
     reference="H=25",
-    plot=study_lib.sweep_plot("H (inner steps per round)", logx=True),
+    plot=plots.sweep_plot("H (inner steps per round)", logx=True),
     quick_points=("H=5", "H=25"),
 )
 

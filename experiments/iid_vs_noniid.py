@@ -15,6 +15,7 @@ little slower early and ends about the same (Table 3: 4 workers 15.23 iid /
 Full run: 3 points x 3 seeds; the runs take 9 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 STUDY = study_lib.Study(
@@ -29,7 +30,7 @@ STUDY = study_lib.Study(
                             {"data.island_split": "clustered"})),
     reference="iid",
     quick_points=("iid", "non_iid"),
-    plot=study_lib.curves_plot({"eval_loss": ""}),
+    plot=plots.curves_plot({"eval_loss": ""}),
 )
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ with one island (the paper: it beats the plain single worker).
 Full run: 5 points x 3 seeds; the runs take 23 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 STUDY = study_lib.Study(
@@ -21,7 +22,7 @@ STUDY = study_lib.Study(
     points=tuple(study_lib.Point(f"k={k}", {"diloco.islands": k}, x=k)
                  for k in (1, 2, 4, 8, 16)),
     reference="k=1",
-    plot=study_lib.sweep_plot("islands k", logx=True),
+    plot=plots.sweep_plot("islands k", logx=True),
     quick_points=("k=1", "k=2"),
 )
 

@@ -14,6 +14,7 @@ is best; FedAvg and Adam are worse, Adam unstable unless eps is about 0.1.
 Full run: 8 points x 3 seeds; the runs take 22 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 
@@ -47,7 +48,7 @@ STUDY = study_lib.Study(
                         _outer("adam", learning_rate=0.07, eps=0.1)),
     ),
     reference="nesterov_lr0.7_m0.9",
-    plot=study_lib.bar_plot,
+    plot=plots.bar_plot,
     quick_points=("nesterov_lr0.7_m0.9", "adam_eps1e-8"),
 )
 

@@ -11,6 +11,7 @@ two differ, and SGD with lr 1, where they must be equal (a check).
 Full run: 2 points x 3 seeds; the runs take 6 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 STUDY = study_lib.Study(
@@ -24,7 +25,7 @@ STUDY = study_lib.Study(
                 "diloco.outer_optimizer.learning_rate": 1.0})),
     reference="nesterov",
     base_overrides={"eval.island_mean": True},
-    plot=study_lib.curves_plot({"eval_loss": "outer params",
+    plot=plots.curves_plot({"eval_loss": "outer params",
                                 "eval_loss_island_mean": "islands' mean"}),
 )
 

@@ -27,6 +27,7 @@ finds its overlap and 4-bit outer gradients cost little against DiLoCo.
 Full run: 8 points x 3 seeds; the runs take about 30 minutes on 2 CPU cores.
 """
 
+from experiments import plots
 from experiments import study_lib
 
 _STREAMING = {"diloco.fragments": 2, "diloco.fragment_delay": 5,
@@ -57,7 +58,7 @@ STUDY = study_lib.Study(
                         {"diloco.overlap": "one_step_delay_rebase", **_M05}),
     ),
     reference="diloco",
-    plot=study_lib.bar_plot,
+    plot=plots.bar_plot,
     quick_points=("diloco", "one_step_delay_rebase"),
 )
 

@@ -14,6 +14,7 @@ Full run: 6 points x 3 seeds; the runs take 20 minutes on 2 CPU cores
 config).
 """
 
+from experiments import plots
 from experiments import study_lib
 
 _PROTOCOL = "pretrained, outer Nesterov"
@@ -48,7 +49,7 @@ STUDY = study_lib.Study(
                               reference="fp32_averaging_from_scratch",
                               series=_SCRATCH)),
     reference="fp32",
-    plot=study_lib.sweep_plot("fraction of each neuron pruned"),
+    plot=plots.sweep_plot("fraction of each neuron pruned"),
     quick_points=("fp32", "pruned_50%"),
 )
 

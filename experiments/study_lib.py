@@ -10,17 +10,13 @@ stopped run and returns a finished run's summary at once: a killed study
 continues where it stopped when rerun. A run that diverges (NaN) is
 recorded as such and not retried.
 
-Each point reports the mean and sample standard deviation of the final eval
-loss over its seeds, and the change of eval perplexity against the
-reference point paired by seed (exp(loss - reference loss) - 1 per seed,
-then mean and standard deviation): the papers report perplexity changes,
-and pairing removes the seed-to-seed spread both points share.
+tables.py turns the runs into statistics and a markdown table; plots.py
+draws them.
 """
 
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -28,6 +24,8 @@ from typing import Callable
 
 from absl import flags
 from absl import logging
+
+from experiments import tables
 
 QUICK_SEEDS = 2  # --quick: enough seeds to exercise the spread
 
@@ -159,227 +157,6 @@ def run_point(study: Study, point: Point, seed: int, runs_dir: str,
   return record
 
 
-def _stats(values: list[float]) -> dict:
-  n = len(values)
-  if not n:
-    return {"mean": None, "std": None, "n": 0}
-  mean = sum(values) / n
-  std = (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-         if n > 1 else 0.0)
-  return {"mean": mean, "std": std, "n": n}
-
-
-def summarize(study: Study, runs: dict, seeds: list[int], quick: bool,
-              points) -> dict:
-  """The results record from {point name: [run records]}."""
-  done = lambda records: {r["seed"]: r for r in records
-                          if r["status"] == "done"}
-  rows = []
-  for point in points:
-    reference_name = point.reference or study.reference
-    reference = done(runs.get(reference_name, []))
-    finished = done(runs[point.name])
-    losses = [r["final_eval_loss"] for r in finished.values()]
-    paired = [math.exp(r["final_eval_loss"]
-                       - reference[seed]["final_eval_loss"]) - 1
-              for seed, r in finished.items() if seed in reference]
-    rows.append({
-        "name": point.name, "x": point.x, "overrides": point.overrides,
-        "reference": reference_name, "series": point.series,
-        "runs": runs[point.name],
-        "diverged": sum(r["status"] == "diverged" for r in runs[point.name]),
-        "eval_loss": _stats(losses),
-        "perplexity_change_vs_reference": _stats(paired),
-        "comm_bytes": _stats([r["comm_bytes"] for r in finished.values()]),
-        "island_mean_eval_loss": _stats(
-            [r["final_eval_loss_island_mean"] for r in finished.values()
-             if r.get("final_eval_loss_island_mean") is not None]),
-        # The outer params against the islands' plain average (DiLoCo),
-        # as a perplexity change, per seed.
-        "outer_vs_island_mean": _stats(
-            [math.exp(r["final_eval_loss"]
-                      - r["final_eval_loss_island_mean"]) - 1
-             for r in finished.values()
-             if r.get("final_eval_loss_island_mean") is not None]),
-        "wall_s": sum(r["wall_s"] for r in finished.values()),
-    })
-  return {
-      "study": study.name, "title": study.title, "claim": study.claim,
-      "quick": quick, "seeds": seeds, "reference": study.reference,
-      "base_overrides": study.base_overrides, "points": rows,
-      "runs_wall_s": sum(row["wall_s"] for row in rows),
-  }
-
-
-def _format_mb(value) -> str:
-  return "-" if value is None else f"{value / 1e6:.2f} MB"
-
-
-def markdown_table(results: dict) -> str:
-  """The results as a markdown table, one row per point."""
-  with_mean = any(row["outer_vs_island_mean"]["n"]
-                  for row in results["points"])
-  lines = [
-      f"**{results['title']}** ({len(results['seeds'])} seeds; reference: "
-      f"{results['reference']})", "",
-      "| point | eval loss (mean ± std) | perplexity vs reference | sent per "
-      "island | runs |" + (" outer params vs islands' average |"
-                           if with_mean else ""),
-      "|---|---|---|---|---|" + ("---|" if with_mean else "")]
-  for row in results["points"]:
-    outer = row["outer_vs_island_mean"]
-    outer_text = ("-" if not outer["n"] else
-                  f"{100 * outer['mean']:+.2f}% ± {100 * outer['std']:.2f}")
-    loss, change = row["eval_loss"], row["perplexity_change_vs_reference"]
-    loss_text = ("-" if loss["mean"] is None else
-                 f"{loss['mean']:.4f} ± {loss['std']:.4f}")
-    change_text = ("-" if change["mean"] is None or row["name"] ==
-                   row["reference"] else
-                   f"{100 * change['mean']:+.2f}% ± {100 * change['std']:.2f}"
-                   + ("" if row["reference"] == results["reference"] else
-                      f" (vs {row['reference']})"))
-    runs = f"{loss['n']}" + (f" ({row['diverged']} diverged)"
-                             if row["diverged"] else "")
-    lines.append(f"| {row['name']} | {loss_text} | {change_text} | "
-                 f"{_format_mb(row['comm_bytes']['mean'])} | {runs} |"
-                 + (f" {outer_text} |" if with_mean else ""))
-  return "\n".join(lines)
-
-
-def _pyplot():
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # files only, no display
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  return plt
-
-
-def _finished(results: dict) -> list[dict]:
-  return [row for row in results["points"] if row["eval_loss"]["n"]]
-
-
-def _finish(plt, fig, ax, results: dict, path: str) -> None:
-  ax.set_title(results["title"] + (" (quick)" if results["quick"] else ""))
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def bar_plot(results: dict, path: str) -> None:
-  """Final eval loss per point: mean with a bar of ± one std."""
-  plt = _pyplot()
-  rows = _finished(results)
-  fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 2), 4))
-  means = [row["eval_loss"]["mean"] for row in rows]
-  ax.bar(range(len(rows)), means,
-         yerr=[row["eval_loss"]["std"] for row in rows], capsize=4,
-         color=["tab:orange" if row["name"] == results["reference"]
-                else "tab:blue" for row in rows])
-  ax.set_xticks(range(len(rows)), [row["name"] for row in rows],
-                rotation=20, ha="right")
-  if means:
-    spread = max(means) - min(means) or 0.05
-    ax.set_ylim(min(means) - 1.5 * spread, max(means) + 1.0 * spread)
-  ax.set_ylabel("final eval loss (nats/token)")
-  _finish(plt, fig, ax, results, path)
-
-
-def sweep_plot(xlabel: str, logx: bool = False):
-  """A plot(results, path) of final eval loss against each point's x."""
-
-  def plot(results: dict, path: str) -> None:
-    plt = _pyplot()
-    rows = [row for row in _finished(results) if row["x"] is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for series in dict.fromkeys(row.get("series", "") for row in rows):
-      line = sorted((row for row in rows if row.get("series", "") == series),
-                    key=lambda row: row["x"])
-      ax.errorbar([row["x"] for row in line],
-                  [row["eval_loss"]["mean"] for row in line],
-                  yerr=[row["eval_loss"]["std"] for row in line], marker="o",
-                  capsize=4, label=series or None)
-    if any(row.get("series") for row in rows):
-      ax.legend(fontsize=8)
-    if logx:
-      ax.set_xscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("final eval loss (nats/token)")
-    _finish(plt, fig, ax, results, path)
-
-  return plot
-
-
-def pareto_plot(results: dict, path: str) -> None:
-  """Final eval loss against the bytes one island sent, every point."""
-  plt = _pyplot()
-  rows = sorted(_finished(results), key=lambda row: row["comm_bytes"]["mean"])
-  markers = {series: "osD^v"[i % 5] for i, series in enumerate(
-      dict.fromkeys(row.get("series", "") for row in rows))}
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for i, row in enumerate(rows):
-    sent = row["comm_bytes"]["mean"] / 1e6
-    series = row.get("series", "")
-    ax.errorbar([sent], [row["eval_loss"]["mean"]],
-                yerr=[row["eval_loss"]["std"]], marker=markers[series],
-                capsize=3, color="tab:gray" if series else None)
-    # Neighbours in bytes often sit at the same loss: alternate the labels
-    # above and below so they stay readable.
-    ax.annotate(row["name"], (sent, row["eval_loss"]["mean"]),
-                textcoords="offset points",
-                xytext=(4, 5 if i % 2 == 0 else -11), fontsize=8)
-  for series, marker in markers.items():
-    if series:
-      ax.plot([], [], marker, color="tab:gray", label=series)
-  if len(markers) > 1:
-    ax.legend(fontsize=8)
-  ax.set_xscale("log")
-  ax.set_xlabel("MB sent per island (log)")
-  ax.set_ylabel("final eval loss (nats/token)")
-  _finish(plt, fig, ax, results, path)
-
-
-def _mean_curves(row: dict, key: str) -> tuple[list, list]:
-  """(steps, mean of `key` over the seeds) from the runs' metrics.jsonl,
-  after the pretraining phase (whose high early losses would flatten the
-  rest)."""
-  by_step = {}
-  for run in row["runs"]:
-    if run["status"] != "done":
-      continue
-    with open(os.path.join(run["workdir"], "metrics.jsonl")) as f:
-      for line in f:
-        record = json.loads(line)
-        if (record.get(key) is not None
-            and record.get("phase") != "pretrain"):
-          by_step.setdefault(record["step"], []).append(record[key])
-  steps = sorted(by_step)
-  return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
-
-
-def curves_plot(keys: dict):
-  """A plot(results, path) of eval curves (mean over seeds) per point.
-
-  Args:
-    keys: {metrics.jsonl key: label}, e.g. {'eval_loss': 'outer params'}.
-  """
-
-  def plot(results: dict, path: str) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in _finished(results):
-      for (key, label), style in zip(keys.items(), ("-", "--", ":")):
-        steps, values = _mean_curves(row, key)
-        if steps:
-          ax.plot(steps, values, style, marker=".",
-                  label=f"{row['name']}: {label}" if label else row["name"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("eval loss (nats/token), mean over seeds")
-    ax.legend(fontsize=8)
-    _finish(plt, fig, ax, results, path)
-
-  return plot
-
-
 def write_results(study: Study, results: dict, out_dir: str) -> dict:
   """Writes STUDY.json, STUDY.md and STUDY.png under out_dir; returns
   their paths."""
@@ -390,7 +167,7 @@ def write_results(study: Study, results: dict, out_dir: str) -> dict:
     json.dump(results, f, indent=2, sort_keys=True)
   os.replace(paths["json"] + ".tmp", paths["json"])
   with open(paths["md"], "w") as f:
-    f.write(markdown_table(results) + "\n")
+    f.write(tables.markdown_table(results) + "\n")
   study.plot(results, paths["png"])
   return paths
 
@@ -405,10 +182,10 @@ def run_study(study: Study, runs_dir: str, seeds: list[int], quick: bool,
     print(f"{study.name}: {point.name}", flush=True)
     runs[point.name] = [run_point(study, point, seed, runs_dir, quick)
                         for seed in seeds]
-  results = summarize(study, runs, seeds, quick, points)
+  results = tables.summarize(study, runs, seeds, quick, points)
   results["study_wall_s"] = time.perf_counter() - start
   paths = write_results(study, results, out_dir)
-  print("\n" + markdown_table(results))
+  print("\n" + tables.markdown_table(results))
   print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']} "
         f"({results['study_wall_s'] / 60:.1f} min this time; the runs took "
         f"{results['runs_wall_s'] / 60:.1f} min in all)")

@@ -17,6 +17,7 @@ Full run: 5 points x 3 seeds; the runs take 16 minutes on 2 CPU cores
 (18 with start-up).
 """
 
+from experiments import plots
 from experiments import study_lib
 
 
@@ -43,7 +44,7 @@ STUDY = study_lib.Study(
            "worker (16.23)."),
     points=_points,
     reference="single",
-    plot=study_lib.bar_plot,
+    plot=plots.bar_plot,
 )
 
 if __name__ == "__main__":

@@ -54,3 +54,46 @@ def test_paper_c4_configs_validate_given_their_data(tmp_path):
     config.data.path = str(shards)
     config.data.tokenizer_path = str(tmp_path / "spm.model")
     validation.validate_config(config, num_devices=NUM_DEVICES)
+
+
+def test_every_problem_is_reported_at_once_naming_each_field():
+  config = importlib.import_module("configs.tiny").get_config()
+  config.diloco.inner_steps = 0
+  config.model.dtype = "float16"
+  config.diloco.codec = "int3"
+  config.data.corpus = "wikipedia"
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, num_devices=NUM_DEVICES)
+  lines = str(error.value).splitlines()
+  assert lines[0] == "4 problems in the config:"
+  for field in ("config.diloco.inner_steps=0", "config.model.dtype='float16'",
+                "config.diloco.codec='int3'",
+                "config.data.corpus='wikipedia'"):
+    assert sum(field in line for line in lines[1:]) == 1, (field, lines)
+
+
+def test_a_problem_is_not_reported_again_by_the_checks_that_read_it():
+  """A bad island count is one line, though the schedule, the eval split
+  and the fragments all read it."""
+  config = importlib.import_module("configs.tiny").get_config()
+  config.diloco.islands = 0
+  config.diloco.island_schedule = "1->2"
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate_config(config, num_devices=NUM_DEVICES)
+  assert str(error.value) == "config.diloco.islands=0 must be an integer >= 1"
+
+
+def test_a_valid_config_comes_back_frozen_with_what_it_stands_for():
+  config = importlib.import_module("configs.tiny").get_config()
+  config.diloco.codec = "int8"
+  config.diloco.island_schedule = "1->2"
+  run_config = validation.validate_config(config, num_devices=NUM_DEVICES)
+  with pytest.raises(AttributeError):
+    run_config.config.total_steps = 1  # frozen: nothing below changes it
+  assert run_config.islands == config.diloco.islands
+  assert run_config.compression.name == "int8"
+  assert run_config.schedule.inner_steps == config.diloco.inner_steps
+  assert run_config.participation.schedule == ("ramp", 1, 2)
+  assert run_config.participation(1).tolist() == [True, False]
+  assert run_config.data.corpus == "synthetic"
+  assert run_config.data.vocab_size == config.data.synthetic.vocab_size + 1

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -182,14 +183,69 @@ def two_processes_c4(tmp_path_factory, c4_dir):
   return workdir, output
 
 
+# Runs whose sends go through a rounding codec (int8 here; any codec but
+# fp32) agree to summation order only where no value sat on a rounding
+# midpoint. The placements' programs add the islands' decoded chunks in
+# other orders (and fuse other multiply-adds; both depend on the CPU's
+# vector widths and FMA): at a send with bit-identical inputs the means are
+# at most 2 ulp apart (1.7 eps x the sum of the islands' |terms|, measured).
+# Rounding to nearest is discontinuous: where a value lies that close to a
+# midpoint between two codes, the runs send neighbouring codes, one code
+# step (its block's absmax / 127) apart, and x moves by lr (1 + momentum)
+# steps there (0.7 x 1.9 x 4.5e-6 = 6.0e-6 at the first send of the FSDP
+# streaming run on 2 processes); the runs train on from there, and the
+# differences training grows from the last bits later tip an island's
+# values too (61.500057 vs 61.499954 scale units: codes 62 and 61). Such
+# flips are few and local: over 4 seeds, 2 of them also with XLA's CPU ISA
+# capped at AVX and at SSE4.2, at most 0.22% of any field's values (48 of
+# 21696) were beyond the summation-order tolerance, none by more than
+# 8.6e-6. A real difference between the placements moves a large share of
+# a field: a merge taking the x from before its send 99% of x, error
+# feedback lost 48%, the codec's blocks cut in other stripes 24%
+# (Streaming DiLoCo, int8).
+CODEC_FLIP_FRACTION = 0.02  # of each field's values
+CODEC_FLIP_ATOL = 1e-4  # ~20 code steps; every leaf of x moves >= 1.9e-3
+
+
+def _codec(workdir) -> str:
+  with open(os.path.join(workdir, "config.json")) as f:
+    return json.load(f)["diloco"]["codec"]
+
+
+def _assert_close_but_codec_flips(a, b):
+  """Every field of states `a` and `b` (dicts of arrays) agrees to float
+  summation order except at CODEC_FLIP_FRACTION of its values at most,
+  which agree within CODEC_FLIP_ATOL; integers agree exactly."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for field in a:
+    beyond = total = 0
+    for x, y in zip(jax.tree.leaves(a[field]), jax.tree.leaves(b[field])):
+      x, y = np.asarray(x), np.asarray(y)
+      if not np.issubdtype(x.dtype, np.floating):
+        np.testing.assert_array_equal(x, y, err_msg=field)
+        continue
+      np.testing.assert_allclose(x, y, rtol=0, atol=CODEC_FLIP_ATOL,
+                                 err_msg=field)
+      beyond += int(np.sum(~np.isclose(x, y, rtol=1e-5, atol=1e-6)))
+      total += x.size
+    assert beyond <= CODEC_FLIP_FRACTION * total, (
+        f"{field}: {beyond} of {total} values beyond summation order")
+
+
 def _assert_close_runs(a, b):
   """Equal up to float summation order: the cross-island all-reduce of
   several processes (gloo) adds the islands' pseudo-gradients in another
   order than one process's XLA all-reduce, and float addition is not
-  associative (measured: at most 6e-8 apart after 4 rounds)."""
-  helpers.assert_trees_close(test_checkpoint._final_state(a),
-                             test_checkpoint._final_state(b),
-                             rtol=1e-5, atol=1e-6)
+  associative (measured: at most 6e-8 apart after 4 rounds). Runs through
+  a rounding codec may differ more at a few values (CODEC_FLIP_FRACTION)."""
+  codec = _codec(a)
+  assert _codec(b) == codec
+  state_a = test_checkpoint._final_state(a)
+  state_b = test_checkpoint._final_state(b)
+  if codec == "fp32":
+    helpers.assert_trees_close(state_a, state_b, rtol=1e-5, atol=1e-6)
+  else:
+    _assert_close_but_codec_flips(state_a, state_b)
   ma, mb = test_checkpoint._metrics(a), test_checkpoint._metrics(b)
   assert [r["step"] for r in ma] == [r["step"] for r in mb]
   for ra, rb in zip(ma, mb):

@@ -14,6 +14,8 @@ from experiments import outer_optimizers
 from experiments import outer_vs_island_mean
 from experiments import overlaps
 from experiments import sign_pruning
+from experiments import plots
+from experiments import tables
 from experiments import study_lib
 from experiments import table2
 
@@ -83,7 +85,7 @@ def test_identical_points_of_two_studies_share_one_run(tmp_path):
 
 
 def test_paired_perplexity_change_and_spread():
-  study = study_lib.Study("s", "t", "c", (), "ref", study_lib.bar_plot)
+  study = study_lib.Study("s", "t", "c", (), "ref", plots.bar_plot)
   run = lambda seed, loss: {"seed": seed, "status": "done",
                             "final_eval_loss": loss, "comm_bytes": 1,
                             "wall_s": 1.0,
@@ -93,7 +95,7 @@ def test_paired_perplexity_change_and_spread():
           "c": [run(0, 2.1), run(1, 3.0)]}
   points = [study_lib.Point("ref", {}), study_lib.Point("b", {}),
             study_lib.Point("c", {}, reference="b")]
-  results = study_lib.summarize(study, runs, [0, 1], False, points)
+  results = tables.summarize(study, runs, [0, 1], False, points)
   b = results["points"][1]
   assert b["eval_loss"]["mean"] == pytest.approx(2.6)
   assert b["eval_loss"]["std"] == pytest.approx(0.7071068)
@@ -106,8 +108,8 @@ def test_paired_perplexity_change_and_spread():
   assert c["reference"] == "b"
   assert c["perplexity_change_vs_reference"]["mean"] == pytest.approx(
       (math.exp(-0.1) - 1) / 2)
-  assert "(vs b)" in study_lib.markdown_table(results)
+  assert "(vs b)" in tables.markdown_table(results)
   # The outer params against the islands' average, per seed.
   assert b["outer_vs_island_mean"]["mean"] == pytest.approx(math.exp(-0.1) - 1)
-  assert "outer params vs islands' average" in study_lib.markdown_table(
+  assert "outer params vs islands' average" in tables.markdown_table(
       results)

@@ -1,5 +1,6 @@
 """End-to-end runs on the tiny config, and bad configs failing cleanly."""
 
+import collections
 import json
 import os
 import subprocess
@@ -7,9 +8,11 @@ import sys
 
 import pytest
 
-from diloco_jax.run import train
-from diloco_jax.config import validation
 from configs import tiny
+from diloco_jax.algorithm import participation
+from diloco_jax.config import validation
+from diloco_jax.data import settings as data_settings
+from diloco_jax.run import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = {"step", "round", "train_loss", "tokens_seen", "elapsed_s", "comm_bytes",
@@ -200,3 +203,32 @@ def test_island_mean_eval_equals_global_eval_under_parameter_averaging(
   for r in evals:
     assert r["eval_loss_island_mean"] == pytest.approx(r["eval_loss"],
                                                        abs=1e-5)
+
+
+def test_a_run_checks_its_config_once_and_the_loop_parses_nothing(
+    tmp_path, monkeypatch):
+  """Validation runs once per run and hands typed values down: config.data
+  is checked once (it used to be checked from three places), and the
+  island schedule is parsed by the config layer only (it used to be parsed
+  again at every step)."""
+  calls = collections.Counter()
+
+  def count(module, name):
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+      calls[name] += 1
+      return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+  count(validation, "validate_config")
+  count(data_settings, "from_config")
+  count(participation, "parse_schedule")
+  config = tiny.get_config()
+  config.diloco.island_schedule = "1->2"
+  summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["rounds"] == config.total_steps // config.diloco.inner_steps
+  # parse_schedule: validation checks the string, RunConfig keeps its parse.
+  assert calls == {"validate_config": 1, "from_config": 1,
+                   "parse_schedule": 2}

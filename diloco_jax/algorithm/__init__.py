@@ -1,0 +1,25 @@
+"""The DiLoCo family as pure functions over pytrees, and the jitted steps
+built from them. No I/O, no config, no mesh construction: builders take
+optax optimizers, a mesh and typed settings.
+
+  state.py          TrainState: x, the islands, their optimizer states and
+                    what the codec and overlap carry (the checkpoint format).
+  inner_step.py     every island's optimizer step at once (ddp: with the
+                    gradients averaged).
+  outer_step.py     the outer step: pseudo-gradients through the codec
+                    into the cross-island mean, the outer optimizer, the
+                    islands reset; and its pieces for other placements.
+  overlap.py        the overlap rules: one-step delay and its rebasing.
+  fragments.py      Streaming DiLoCo's per-fragment send and merge.
+  compression.py    codecs over pytrees and their bytes;
+                    matrix_codecs.py the per-matrix ones (sign pruning,
+                    top-k, low rank).
+  optimizers.py     the inner (AdamW) and outer (Nesterov, ...) optimizers.
+  participation.py  which islands take part in each round.
+  guards.py         what counts as diverged (NaN/inf), said in one line.
+  schedule.py       what runs after each inner step (outer step, flush,
+                    fragment sends and merges, eval, checkpoint).
+  evaluation.py     the eval loss of the params a run is judged by.
+
+May import codecs/ and parallel/.
+"""

@@ -1,0 +1,15 @@
+"""The config: its fields, one validation, and what it stands for.
+
+  schema.py        every field with its default and meaning (base_config).
+  validation.py    validate_config: every check at once, one ConfigError
+                   listing every problem; returns a RunConfig.
+  diloco_checks.py the checks of config.diloco.
+  problems.py      collecting problems; ConfigError.
+  run_config.py    RunConfig: the frozen config with what it stands for
+                   parsed once (islands, codec, schedule, participation,
+                   data settings), and the builders of those.
+  changes.py       which changes of a config a resume allows.
+
+May import codecs/, parallel/, algorithm/, model/ and data/. Nothing below
+reads the config: the run layer hands typed values down.
+"""

@@ -112,27 +112,37 @@ def _diloco() -> Section:
       "fallback_codec": "int4",  # a dense codec
       "prune_rate": 0.5,  # sign_prune: fraction of each neuron dropped
       "topk_fraction": 0.01,  # topk: fraction of each matrix kept
-      "lowrank": Section({
-          "rank": 4,  # lowrank (float32 factors)
-          # adaptive_lowrank: per matrix and round, the smallest rank of the
-          # ladder min_rank, 2 min_rank, ..., max_rank keeping
-          # energy_fraction of the energy; factors sent through factor_codec
-          # (a dense codec). The defaults are the best measured on
-          # configs/default.py (docs/results.md).
-          "min_rank": 16,
-          "max_rank": 64,
-          "energy_fraction": 0.9,
-          "factor_codec": "int4",
-      }),
-      "outer_optimizer": Section({
-          "name": "nesterov",  # see OUTER_OPTIMIZERS
-          "learning_rate": 0.7,
-          "momentum": 0.9,  # nesterov / momentum
-          "b1": 0.9,  # adam
-          "b2": 0.999,  # adam
-          # DiLoCo found outer Adam unstable unless eps is large (~0.1).
-          "eps": 0.1,  # adam
-      }),
+      "lowrank": _lowrank(),
+      "outer_optimizer": _outer_optimizer(),
+  })
+
+
+def _lowrank() -> Section:
+  """config.diloco.lowrank: the low-rank codecs' ranks."""
+  return Section({
+      "rank": 4,  # lowrank (float32 factors)
+      # adaptive_lowrank: per matrix and round, the smallest rank of the
+      # ladder min_rank, 2 min_rank, ..., max_rank keeping
+      # energy_fraction of the energy; factors sent through factor_codec
+      # (a dense codec). The defaults are the best measured on
+      # configs/default.py (docs/results.md).
+      "min_rank": 16,
+      "max_rank": 64,
+      "energy_fraction": 0.9,
+      "factor_codec": "int4",
+  })
+
+
+def _outer_optimizer() -> Section:
+  """config.diloco.outer_optimizer: the step on x once per round."""
+  return Section({
+      "name": "nesterov",  # see OUTER_OPTIMIZERS
+      "learning_rate": 0.7,
+      "momentum": 0.9,  # nesterov / momentum
+      "b1": 0.9,  # adam
+      "b2": 0.999,  # adam
+      # DiLoCo found outer Adam unstable unless eps is large (~0.1).
+      "eps": 0.1,  # adam
   })
 
 

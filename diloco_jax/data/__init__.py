@@ -1,6 +1,8 @@
 """Host-side data pipeline: corpora, tokenization, packing and island streams.
 
 Modules, one concern each:
+- settings: config.data checked once (`from_config`) as the frozen
+  `DataSettings` the rest reads.
 - sources: the batch-source protocol the training loop uses
   (`make_batch_source`, `make_eval_batches`), for every corpus.
 - tokenizer: bytes or a SentencePiece model <-> token ids (`build_tokenizer`).
@@ -11,11 +13,14 @@ Modules, one concern each:
 - c4_files: C4's JSON-lines shards (.json/.jsonl, maybe gzipped) and split.
 - tfds_documents: a TFDS split (e.g. "c4/en") read as virtual shards.
 - packing: documents -> fixed-length sequences separated by EOS.
-- streams: step-indexed island batches (iid and clustered), eval batches.
-- streaming: resumable island batches streamed from sharded documents.
+- in_memory_batches: island batches of an in-memory corpus, a pure function
+  of the step (iid and clustered), and the eval batches.
+- sharded_batches: island batches streamed from sharded documents, resumable
+  from a few integers per island.
 - clustering: hashed n-gram features and k-means, for non-iid islands.
-- corpus: in-memory corpora (`build_corpus`, `build_island_sequences`) and
-  `validate_data_config`.
+- corpus: in-memory corpora (`build_corpus`, `build_island_sequences`).
 - errors: `DataError`, raised for every unusable data file or data setting,
   in one line naming the file or field.
+
+May import nothing of diloco_jax outside data/.
 """

@@ -1,0 +1,92 @@
+"""The package's layers: imports point downward only.
+
+Reads every module's import statements (those inside functions too) and
+checks each against the layer order diloco_jax/__init__.py states, so an
+import that climbs back up fails here rather than growing a cycle.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "diloco_jax"
+
+# Lower layers first. A module may import its own subpackage and any layer
+# of a lower rank; subpackages of one rank are independent of each other.
+RANKS = {
+    "codecs": 0, "data": 0, "model": 0,
+    "parallel": 1,
+    "algorithm": 2,
+    "config": 3,
+    "analysis": 4,
+    "run": 5,
+}
+ENTRY_POINTS = {"__init__", "main", "launch"}  # above every layer
+
+
+def _modules():
+  return sorted(PACKAGE.rglob("*.py"))
+
+
+def _layer(path: pathlib.Path) -> str:
+  """The subpackage a module lives in, or its name for a top-level one."""
+  parts = path.relative_to(PACKAGE).with_suffix("").parts
+  return parts[0]
+
+
+def _imported_layers(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, layer) of every diloco_jax module `path` imports."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.ImportFrom) and node.level:
+      raise AssertionError(f"{path}:{node.lineno}: relative import")
+    names = []
+    if isinstance(node, ast.ImportFrom) and node.module:
+      names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    for name in names:
+      parts = name.split(".")
+      if parts[0] == "diloco_jax" and len(parts) > 1:
+        found.append((node.lineno, parts[1]))
+  return found
+
+
+def test_every_import_points_down_the_layers():
+  climbs = []
+  for path in _modules():
+    layer = _layer(path)
+    if layer in ENTRY_POINTS:
+      continue
+    assert layer in RANKS, f"{path}: a module outside the layers"
+    for line, imported in _imported_layers(path):
+      if imported == layer or imported not in RANKS:
+        # Its own layer; or a name imported from the package itself,
+        # which the walk also sees as `from diloco_jax import name`.
+        continue
+      if RANKS[imported] >= RANKS[layer]:
+        climbs.append(f"{path.relative_to(PACKAGE.parent)}:{line}: "
+                      f"{layer}/ imports {imported}/")
+  assert not climbs, "imports that climb the layers:\n" + "\n".join(climbs)
+
+
+def test_the_package_holds_only_layers_and_entry_points():
+  loose = {p.stem for p in PACKAGE.glob("*.py")} - ENTRY_POINTS
+  assert not loose, f"modules beside the layers: {sorted(loose)}"
+  assert {p.name for p in PACKAGE.iterdir() if p.is_dir()
+          and (p / "__init__.py").exists()} == set(RANKS)
+
+
+@pytest.mark.parametrize("layer", sorted(RANKS))
+def test_each_layer_says_what_it_owns_and_may_import(layer):
+  docstring = ast.get_docstring(ast.parse(
+      (PACKAGE / layer / "__init__.py").read_text()))
+  assert docstring and "import" in docstring, layer
+
+
+def test_the_check_sees_a_climbing_import(tmp_path):
+  """The walk finds imports inside functions, under any alias."""
+  module = tmp_path / "m.py"
+  module.write_text("def f():\n  from diloco_jax.run import train as t\n")
+  assert _imported_layers(module) == [(2, "run"), (2, "run")]
