@@ -11,10 +11,11 @@ r"""Codec costs: encode+decode time and the outer step with each codec.
    memory here, so this measures the codec's compute, not a network), and
    the bytes one island sends for it.
 Final eval loss and bytes per codec on the default config come from
-experiments/codec_sweep.py; see README.
+experiments/codec_sweep.py; see docs/compression.md.
 """
 
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -22,8 +23,24 @@ import time
 
 from absl import app
 from absl import flags
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import communication
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import placement
+from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 _ISLANDS = flags.DEFINE_integer("islands", 4, "Islands for the outer step.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (median).")
@@ -47,46 +64,17 @@ def _median_seconds(fn, repeats: int) -> tuple[float, float]:
   return first, statistics.median(times)
 
 
-def main(argv):
-  del argv
-  import importlib  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_num_cpu_devices", _ISLANDS.value)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from diloco_jax.config import run_config
-  from diloco_jax.parallel import communication
-  from diloco_jax.algorithm import compression as compression_lib
-  from diloco_jax.algorithm import outer_step as outer_step_lib
-  from diloco_jax.algorithm import state as state_lib
-  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax.model import transformer as model_lib
-  from diloco_jax.algorithm import optimizers
-  from diloco_jax.parallel import placement  # pylint: disable=g-import-not-at-top
-  from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED  # pylint: disable=g-import-not-at-top
+def _compression(config, name: str):
+  config.diloco.codec = name
+  return run_config.compression(config.diloco)
 
-  config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
-  names = _CODECS.value or list(compression_lib.CODECS)
 
-  def compression_for(name):
-    config.diloco.codec = name
-    return run_config.compression(config.diloco)
-
-  shapes = model_lib.param_shapes(config.model)
-  n = model_lib.count_params(shapes)
-  _, params = model_lib.init_params(config.model, 0)
-  tree = jax.tree.map(
-      lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype) * 1e-3,
-      params)
-  print(f"{_CONFIG.value} config: {n:,} params; jax {jax.__version__}, "
-        f"{jax.devices()[0].device_kind}")
-
+def _round_trips(config, names, tree, n: int) -> None:
+  """Encode + decode of the whole pytree through each codec, one device."""
+  print("\nencode + decode of the whole pytree, one device:")
   one = mesh_lib.build_mesh(1)
-  if "round_trip" in _SECTIONS.value:
-    print("\nencode + decode of the whole pytree, one device:")
-  for name in names if "round_trip" in _SECTIONS.value else []:
-    compression = compression_for(name)
+  for name in names:
+    compression = _compression(config, name)
     codec_state = compression_lib.init_codec_state(tree, compression)
     # One island: the tree gets its island axis inside the program.
     mean = placement.island_map(
@@ -103,22 +91,24 @@ def main(argv):
     print(f"  {name:17s} {seconds * 1e3:9.1f} ms  "
           f"{4 * n / seconds / 1e9:6.2f} GB/s of float32  "
           f"(first call {first:.1f} s)", flush=True)
-  del tree
 
+
+def _outer_steps(config, names, params, shapes) -> None:
+  """The outer step through each codec, islands on CPU devices."""
   islands = _ISLANDS.value
+  print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   mesh = mesh_lib.build_mesh(islands)
   outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   fp32_bytes = communication.island_mean_bytes(shapes, islands)
-  if "outer_step" in _SECTIONS.value:
-    print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   baseline = None
-  for name in names if "outer_step" in _SECTIONS.value else []:
-    compression = compression_for(name)
+  for name in names:
+    compression = _compression(config, name)
     # A stateless inner optimizer keeps memory to the params the step reads.
     # A copy: the step donates its state, which would free `params`.
-    state = state_lib.init_state(jax.tree.map(jnp.copy, params), optax.sgd(1.0),
-                              outer_opt, islands, compression=compression)
+    state = state_lib.init_state(jax.tree.map(jnp.copy, params),
+                                 optax.sgd(1.0), outer_opt, islands,
+                                 compression=compression)
     state = jax.device_put(state, state_lib.state_shardings(state, mesh))
     step = outer_step_lib.make_outer_step(outer_opt, mesh, compression)
     holder = {"state": state}
@@ -143,6 +133,26 @@ def main(argv):
           f"the first)  sends {sent / 1e6:8.2f} MB per island "
           f"({fp32_bytes / sent:6.2f}x less than fp32)  "
           f"(first call {first:.1f} s)", flush=True)
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_num_cpu_devices", _ISLANDS.value)
+  config = importlib.import_module(f"configs.{_CONFIG.value}").get_config()
+  names = _CODECS.value or list(compression_lib.CODECS)
+  shapes = model_lib.param_shapes(config.model)
+  n = model_lib.count_params(shapes)
+  _, params = model_lib.init_params(config.model, 0)
+  print(f"{_CONFIG.value} config: {n:,} params; jax {jax.__version__}, "
+        f"{jax.devices()[0].device_kind}")
+  if "round_trip" in _SECTIONS.value:
+    tree = jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(0), x.shape, x.dtype)
+        * 1e-3, params)
+    _round_trips(config, names, tree, n)
+    del tree
+  if "outer_step" in _SECTIONS.value:
+    _outer_steps(config, names, params, shapes)
 
 
 if __name__ == "__main__":

@@ -83,79 +83,84 @@ def _stream_tokens_per_second(data_config, tokens: int) -> float:
   return produced / (time.perf_counter() - start)
 
 
+def _data_pipeline(tmp: str) -> None:
+  """The C4 pipeline's tokens/s on one core, against what training takes."""
+  from configs import default  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
+  shard_dir = os.path.join(tmp, "c4")
+  os.makedirs(shard_dir)
+  _write_c4_shards(shard_dir)
+  spm_path = _train_sentencepiece(tmp)
+  all_cores = os.sched_getaffinity(0)
+  os.sched_setaffinity(0, {min(all_cores)})
+  rates = {}
+  for tokenizer in ("byte", "sentencepiece"):
+    data_config = default.get_config().data
+    data_config.corpus = "c4"
+    data_config.path = shard_dir
+    data_config.tokenizer = tokenizer
+    data_config.tokenizer_path = spm_path if tokenizer != "byte" else ""
+    rates[tokenizer] = _stream_tokens_per_second(data_config, _TOKENS.value)
+  os.sched_setaffinity(0, all_cores)
+  config = default.get_config()
+  config.total_steps = 12
+  summary = train.train_and_evaluate(config, os.path.join(tmp, "run"))
+  consumed = summary["tokens_per_s"]
+  print(f"training consumes (default config, 4 islands, 2 cores): "
+        f"{consumed:,.0f} tokens/s")
+  for tokenizer, rate in rates.items():
+    print(f"C4 JSONL pipeline, {tokenizer:13s} on 1 core: {rate:,.0f} "
+          f"tokens/s = {rate / consumed:.0f}x what training consumes")
+
+
+def _checkpoint(tmp: str) -> None:
+  """Saving and restoring the 150M config's whole state."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from configs import c4_150m  # pylint: disable=g-import-not-at-top
+  from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax.algorithm import state as state_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import checkpoints  # pylint: disable=g-import-not-at-top
+  c4 = c4_150m.get_config()
+  islands = _ISLANDS.value
+  _, params = model_lib.init_params(c4.model, 0)
+  inner = optimizers.inner_optimizer(c4.inner_optimizer, c4.total_steps)
+  outer = optimizers.outer_optimizer(c4.diloco.outer_optimizer)
+  with jax.default_device(jax.devices()[0]):
+    state = jax.jit(lambda p: state_lib.init_state(p, inner, outer,
+                                                   islands))(params)
+  jax.block_until_ready(state)
+  num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  checkpointer = checkpoints.Checkpointer(os.path.join(tmp, "ckpt"))
+  start = time.perf_counter()
+  checkpointer.save(1, state, {"step": 1})
+  blocking = time.perf_counter() - start
+  checkpointer.wait()
+  saved = time.perf_counter() - start
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  del state
+  start = time.perf_counter()
+  restored = checkpointer.restore_state(1, abstract)
+  jax.block_until_ready(restored)
+  restore_s = time.perf_counter() - start
+  checkpointer.close()
+  print(f"150M config state, {islands} islands: "
+        f"{model_lib.count_params(params):,} params, {num_bytes / 1e9:.2f} GB")
+  print(f"  save: {blocking:.2f} s blocking (async), {saved:.1f} s until on "
+        f"disk ({num_bytes / 1e6 / saved:,.0f} MB/s)")
+  print(f"  restore: {restore_s:.1f} s ({num_bytes / 1e6 / restore_s:,.0f} "
+        "MB/s)")
+
+
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", 4)
-  from configs import c4_150m, default  # pylint: disable=g-import-not-at-top
-  from diloco_jax.run import checkpoints as checkpointing
-  from diloco_jax.algorithm import state as state_lib
-  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax.model import transformer as model_lib
-  from diloco_jax.algorithm import optimizers
-  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
-
   with tempfile.TemporaryDirectory() as tmp:
-    # 1. Data pipeline, on one core.
-    shard_dir = os.path.join(tmp, "c4")
-    os.makedirs(shard_dir)
-    _write_c4_shards(shard_dir)
-    spm_path = _train_sentencepiece(tmp)
-    all_cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(all_cores)})
-    rates = {}
-    for tokenizer in ("byte", "sentencepiece"):
-      data_config = default.get_config().data
-      data_config.corpus = "c4"
-      data_config.path = shard_dir
-      data_config.tokenizer = tokenizer
-      data_config.tokenizer_path = spm_path if tokenizer != "byte" else ""
-      rates[tokenizer] = _stream_tokens_per_second(data_config, _TOKENS.value)
-    os.sched_setaffinity(0, all_cores)
-
-    config = default.get_config()
-    config.total_steps = 12
-    summary = train.train_and_evaluate(config, os.path.join(tmp, "run"))
-    consumed = summary["tokens_per_s"]
-    print(f"training consumes (default config, 4 islands, 2 cores): "
-          f"{consumed:,.0f} tokens/s")
-    for tokenizer, rate in rates.items():
-      print(f"C4 JSONL pipeline, {tokenizer:13s} on 1 core: {rate:,.0f} "
-            f"tokens/s = {rate / consumed:.0f}x what training consumes")
-
-    # 2. Checkpoint of the 150M config's whole state.
-    c4 = c4_150m.get_config()
-    islands = _ISLANDS.value
-    mesh = mesh_lib.build_mesh(1, 1, 1, devices=jax.devices()[:1])
-    _, params = model_lib.init_params(c4.model, 0)
-    inner = optimizers.inner_optimizer(c4.inner_optimizer, c4.total_steps)
-    outer = optimizers.outer_optimizer(c4.diloco.outer_optimizer)
-    state = jax.jit(lambda p: state_lib.init_state(p, inner, outer, islands))(
-        params)
-    jax.block_until_ready(state)
-    num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    checkpointer = checkpointing.Checkpointer(os.path.join(tmp, "ckpt"))
-    start = time.perf_counter()
-    checkpointer.save(1, state, {"step": 1})
-    blocking = time.perf_counter() - start
-    checkpointer.wait()
-    saved = time.perf_counter() - start
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        state)
-    del state
-    start = time.perf_counter()
-    restored = checkpointer.restore_state(1, abstract)
-    jax.block_until_ready(restored)
-    restore_s = time.perf_counter() - start
-    checkpointer.close()
-    print(f"150M config state, {islands} islands: "
-          f"{model_lib.count_params(params):,} params, {num_bytes / 1e9:.2f} GB")
-    print(f"  save: {blocking:.2f} s blocking (async), {saved:.1f} s until on "
-          f"disk ({num_bytes / 1e6 / saved:,.0f} MB/s)")
-    print(f"  restore: {restore_s:.1f} s ({num_bytes / 1e6 / restore_s:,.0f} "
-          "MB/s)")
-    del mesh
+    _data_pipeline(tmp)
+    _checkpoint(tmp)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -67,6 +66,7 @@ from absl import flags
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
   sys.path.insert(0, _REPO)
+from benchmarks import netns  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _PROCESSES = flags.DEFINE_integer("processes", 2,
                                   "Processes (= islands, one each).")
@@ -115,97 +115,6 @@ _QUIET = flags.DEFINE_bool("quiet", True,
 _PR_SET_PDEATHSIG = 1
 
 
-def _sh(*cmd: str, check: bool = True) -> str:
-  r = subprocess.run(cmd, capture_output=True, text=True)
-  if check and r.returncode:
-    raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): "
-                       f"{r.stderr.strip()}")
-  return r.stdout
-
-
-class Network:
-  """The namespaces, veths and bridge; `close` removes all it created."""
-
-  def __init__(self, n: int, subnet: str):
-    tag = f"dj{os.getpid()}"
-    self.bridge = f"{tag}br"
-    self.ns = [f"{tag}n{i}" for i in range(n)]
-    self.veth_ns = [f"{tag}v{i}" for i in range(n)]  # inside namespace i
-    self.veth_host = [f"{tag}h{i}" for i in range(n)]  # on the bridge
-    self.addr = [f"{subnet}.{i + 2}" for i in range(n)]
-    self._created: list[tuple[str, str]] = []  # (kind, name), in order
-    self._made_etc_netns = False
-
-  def create(self) -> None:
-    if f"{_SUBNET.value}." in _sh("ip", "-4", "route", "show", "table",
-                                  "all"):
-      raise RuntimeError(f"subnet {_SUBNET.value}.0/24 is routed already; "
-                         f"pick another with --subnet")
-    _sh("ip", "link", "add", self.bridge, "type", "bridge")
-    self._created.append(("link", self.bridge))
-    _sh("ip", "link", "set", self.bridge, "up")
-    if not os.path.isdir("/etc/netns"):
-      os.makedirs("/etc/netns")
-      self._made_etc_netns = True
-    hostname = socket.gethostname()
-    for ns, vn, vh, addr in zip(self.ns, self.veth_ns, self.veth_host,
-                                self.addr):
-      _sh("ip", "netns", "add", ns)
-      self._created.append(("netns", ns))
-      etc = f"/etc/netns/{ns}"
-      os.makedirs(etc)
-      self._created.append(("dir", etc))
-      with open(f"{etc}/hosts", "w") as f:
-        f.write(f"127.0.0.1 localhost\n::1 localhost\n{addr} {hostname}\n")
-      _sh("ip", "link", "add", vh, "type", "veth", "peer", "name", vn)
-      self._created.append(("link", vh))
-      _sh("ip", "link", "set", vn, "netns", ns)
-      _sh("ip", "link", "set", vh, "master", self.bridge)
-      _sh("ip", "link", "set", vh, "up")
-      self.exec(ns, "ip", "addr", "add", f"{addr}/24", "dev", vn)
-      self.exec(ns, "ip", "link", "set", vn, "up")
-      self.exec(ns, "ip", "link", "set", "lo", "up")
-
-  def exec(self, ns: str, *cmd: str) -> str:
-    return _sh("ip", "netns", "exec", ns, *cmd)
-
-  def shape(self, mbit: float | None) -> None:
-    for ns, vn in zip(self.ns, self.veth_ns):
-      if mbit is None:
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", vn,
-            "root", check=False)
-      else:
-        self.exec(ns, "tc", "qdisc", "replace", "dev", vn, "root", "tbf",
-                  "rate", f"{mbit}mbit", "burst", "64kb", "latency", "100ms")
-
-  def counters(self) -> list[dict]:
-    out = []
-    for ns, vn in zip(self.ns, self.veth_ns):
-      stats = f"/sys/class/net/{vn}/statistics"
-      out.append({k: int(self.exec(ns, "cat", f"{stats}/{k}"))
-                  for k in ("tx_bytes", "rx_bytes")})
-    return out
-
-  def close(self) -> None:
-    for kind, name in reversed(self._created):
-      try:
-        if kind == "netns":
-          _sh("ip", "netns", "del", name, check=False)
-        elif kind == "link":
-          if os.path.exists(f"/sys/class/net/{name}"):
-            _sh("ip", "link", "del", name, check=False)
-        elif kind == "dir":
-          shutil.rmtree(name, ignore_errors=True)
-      except Exception as e:  # pylint: disable=broad-except
-        print(f"cleanup of {kind} {name}: {e}", file=sys.stderr)
-    self._created.clear()
-    if self._made_etc_netns:
-      try:
-        os.rmdir("/etc/netns")
-      except OSError:
-        pass
-
-
 def _die_with_parent() -> None:
   ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -226,7 +135,7 @@ def _kill_all(children) -> None:
 _CHILDREN: list[subprocess.Popen] = []
 
 
-def _run(net: Network, name: str, main_flags: list[str]) -> dict:
+def _run(net: netns.Network, name: str, main_flags: list[str]) -> dict:
   """One run, one process per namespace; its summary and link counters."""
   workdir = os.path.join(os.path.abspath(_WORKDIR.value), name)
   shutil.rmtree(workdir, ignore_errors=True)
@@ -313,8 +222,8 @@ def _model(config_dict: dict, step_s: float, mbit: float) -> dict:
   from diloco_jax.analysis import workloads  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict(config_dict)
   return workloads.run_estimate(config, step_time_s=step_s,
-                                    bandwidth_bits_per_s=mbit * 1e6,
-                                    latency_s=0.0)
+                                bandwidth_bits_per_s=mbit * 1e6,
+                                latency_s=0.0)
 
 
 def _row(name, mode, codec, mbit, result, ref_step_s):
@@ -385,7 +294,7 @@ def main(argv):
             "--config.checkpoint.every_rounds=0",
             "--config.network.latency_s=0.0",
             *_MODEL_FLAGS.value, *_EXTRA.value]
-  net = Network(_PROCESSES.value, _SUBNET.value)
+  net = netns.Network(_PROCESSES.value, _SUBNET.value)
   rows, ref_step_s, failures = [], None, []
   try:
     net.create()

@@ -79,11 +79,11 @@ class InnerSteps:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from diloco_jax.algorithm import inner_step as inner_step_lib
+    from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
     from diloco_jax.algorithm import outer_step as outer_step_lib
     from diloco_jax.algorithm import state as state_lib
-    from diloco_jax.parallel import mesh as mesh_lib
     from diloco_jax.model import transformer as model_lib
-    from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+    from diloco_jax.parallel import mesh as mesh_lib
     self.tokens_per_step = islands * batch_size * config.data.sequence_length
     mesh = mesh_lib.build_mesh(islands, devices=jax.devices()[:1])
     loss_fn = functools.partial(model_lib.next_token_loss,
@@ -103,7 +103,7 @@ class InnerSteps:
     self.batch = jax.device_put(tokens,
                                 NamedSharding(mesh, state_lib.BATCH_SPEC))
     self.step = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
-                                       microbatches=microbatches)
+                                               microbatches=microbatches)
     self.outer = outer_step_lib.make_outer_step(outer_opt, mesh)
     self.weights = jax.device_put(
         np.ones(islands, np.float32),
@@ -127,8 +127,8 @@ def _plain_steps(config):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from diloco_jax.model import transformer as model_lib
   from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib
   loss_fn = functools.partial(model_lib.next_token_loss,
                               model_lib.graphdef(config.model))
   opt = optimizers.inner_optimizer(config.inner_optimizer, config.total_steps)

@@ -102,13 +102,13 @@ def main(argv):
   config = _CONFIG.value
   _configure_devices(config)
   # pylint: disable=g-import-not-at-top
-  from diloco_jax.run import checkpoints as checkpointing
   from diloco_jax.algorithm import guards
+  from diloco_jax.config import validation
+  from diloco_jax.data import errors as data_errors
+  from diloco_jax.run import checkpoints as checkpointing
   from diloco_jax.run import stops
   from diloco_jax.run import train
-  from diloco_jax.config import validation
   from diloco_jax.run import workdir
-  from diloco_jax.data import errors as data_errors
   # pylint: enable=g-import-not-at-top
   try:
     train.train_and_evaluate(config, _WORKDIR.value,

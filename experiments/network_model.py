@@ -3,8 +3,8 @@ r"""The papers' network settings side by side, through our network model.
   python -m experiments.network_model [--dilocox_step_s=10] [...]
 
 Prints markdown tables (docs/network_model.md pastes them): what
-diloco_jax/network_model.py says about DiLoCoX's 107B run over 1 Gbit/s,
-OpenDiLoCo's and INTELLECT-1's utilization across continents, and the
+diloco_jax/analysis/network_model.py says about DiLoCoX's 107B run over
+1 Gbit/s, OpenDiLoCo's and INTELLECT-1's utilization across continents, and the
 bandwidth Streaming DiLoCo's simulation needs for 95% utilization at 1B.
 
 Each setting's inputs are written below as the papers give them. What the
@@ -17,9 +17,9 @@ computes; nothing is fitted to the papers' figures.
 from absl import app
 from absl import flags
 
-from diloco_jax.codecs import dense as codecs
 from diloco_jax.analysis import network_model as nm
 from diloco_jax.analysis import workloads
+from diloco_jax.codecs import dense as codecs
 
 # Streaming DiLoCo sends 4-bit floats; int4 sends as many bytes where this
 # tree's codecs have no fp4.
@@ -123,13 +123,14 @@ def dilocox() -> list[str]:
 
   ddp = workloads.ddp_workload(params, nodes, step, inner_steps=h)
   x = workloads.diloco_workload(params, nodes, step, h, codec=codec,
-                         compression_ratio=ratio, overlap="one_step_delay")
+                                compression_ratio=ratio,
+                                overlap="one_step_delay")
   fp32 = workloads.bytes_per_sync(params, nodes, "fp32")
   c_ddp = nm.allreduce_time(ddp.sync_bytes, nodes, link)
   c_x = nm.allreduce_time(x.sync_bytes, nodes, link)
   model = speedup(step, h)
-  bf16_c = nm.allreduce_time(workloads.bytes_per_sync(params, nodes, "bf16"), nodes,
-                             link)
+  bf16_c = nm.allreduce_time(
+      workloads.bytes_per_sync(params, nodes, "bf16"), nodes, link)
   # Comm hidden (c_x <= H step): the speedup is (step + c_ddp) / step, so
   # the claim pins the step time; otherwise it grows with H x ratio.
   hidden_step = c_ddp / (claim - 1)
@@ -200,7 +201,7 @@ def streaming() -> list[str]:
   ddp = lambda codec, hidden=0.0: workloads.ddp_workload(
       params, k, step, inner_steps=h, codec=codec, hidden_fraction=hidden)
   dl = lambda codec, **kw: workloads.diloco_workload(params, k, step, h,
-                                              codec=codec, **kw)
+                                                     codec=codec, **kw)
   rows = (
       # method, workload for fp32 payloads, for bf16, the paper's Gbit/s
       ("Data-Parallel (all-reduce blocks each step)", ddp("fp32"),

@@ -26,7 +26,7 @@ STUDY = study_lib.Study(
     reference="nesterov",
     base_overrides={"eval.island_mean": True},
     plot=plots.curves_plot({"eval_loss": "outer params",
-                                "eval_loss_island_mean": "islands' mean"}),
+                            "eval_loss_island_mean": "islands' mean"}),
 )
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
-from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import train
 from tests import helpers

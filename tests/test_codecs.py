@@ -8,10 +8,10 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.codecs import dense as codecs
-from diloco_jax.parallel import communication
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from diloco_jax.parallel.placement import PER_ISLAND

@@ -4,8 +4,8 @@ import importlib
 
 import pytest
 
-from diloco_jax.model import transformer as model_lib
 from diloco_jax.config import validation
+from diloco_jax.model import transformer as model_lib
 
 NUM_DEVICES = 8  # conftest forces 8 CPU devices
 

@@ -7,10 +7,10 @@ import pytest
 
 from tests import helpers
 from diloco_jax.data import corpus as corpus_lib
-from diloco_jax.data import settings as data_settings
 from diloco_jax.data import embedded
-from diloco_jax.data import packing
 from diloco_jax.data import in_memory_batches as streams
+from diloco_jax.data import packing
+from diloco_jax.data import settings as data_settings
 from diloco_jax.data import synthetic
 from diloco_jax.data import tokenizer as tokenizer_lib
 

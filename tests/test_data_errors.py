@@ -84,7 +84,7 @@ def test_corrupt_deflate_data_names_the_file(tmp_path):
     ('{"text": 5}', r"the 'text' field is not a string \(int\)"),
 ])
 def test_a_malformed_json_line_names_file_and_line(tmp_path, bad_line,
-                                                    problem):
+                                                   problem):
   path = tmp_path / "shard.json.gz"
   lines = _jsonl(3).splitlines()
   _write_gzip(path, "\n".join(lines + ["", bad_line]) + "\n")

@@ -10,9 +10,9 @@ import pytest
 from tests import helpers
 from diloco_jax.data import clustering
 from diloco_jax.data import corpus as corpus_lib
+from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import settings as data_settings
 from diloco_jax.data import sources
-from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 spm = pytest.importorskip("sentencepiece")
@@ -115,7 +115,7 @@ def test_sentencepiece_without_eos_gets_an_extra_id(tmp_path):
     ("NOT_A_MODEL", r"config\.data\.tokenizer_path: cannot load"),
 ])
 def test_sentencepiece_bad_model_path_names_the_field(tmp_path, path,
-                                                       message):
+                                                      message):
   if path == "NOT_A_MODEL":
     path = str(tmp_path / "garbage.model")
     pathlib.Path(path).write_bytes(b"this is not a model")
@@ -295,7 +295,7 @@ def test_balanced_text_files_islands_hold_equal_tokens(tmp_path):
   assert "def f" not in decoded[1 - code_island]
   assert "The river" in decoded[code_island]
   weights = sources.make_batch_source(config, 2, batch_size=2,
-                                     seed=0).island_token_weights()
+                                      seed=0).island_token_weights()
   np.testing.assert_allclose(weights, 0.5, atol=0.05)
   plain = sources.make_batch_source(
       _data_config(corpus="text_files", path=str(tmp_path),
@@ -306,7 +306,7 @@ def test_balanced_text_files_islands_hold_equal_tokens(tmp_path):
 
 def test_balanced_c4_stream_holds_equal_tokens_and_resumes(tmp_path):
   _write_c4_shards(tmp_path, [_code(i) if i % 4 == 0 else _prose(i)
-                               for i in range(80)])
+                              for i in range(80)])
   config = _data_config(corpus="c4", path=str(tmp_path),
                         island_split="clustered_balanced")
   source = sources.make_batch_source(config, 2, batch_size=2, seed=0)
@@ -375,7 +375,7 @@ def test_clustered_synthetic_islands_cover_the_documents_once():
 
 def test_clustered_c4_stream_keeps_each_kind_on_one_island(tmp_path):
   _write_c4_shards(tmp_path, [_code(i) if i % 2 else _prose(i)
-                               for i in range(40)])
+                              for i in range(40)])
   config = _data_config(corpus="c4", path=str(tmp_path),
                         island_split="clustered")
   source = sources.make_batch_source(config, 2, batch_size=2, seed=0)

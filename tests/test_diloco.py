@@ -11,13 +11,13 @@ from jax.sharding import NamedSharding
 
 from diloco_jax.config import run_config
 
-from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import evaluation as evaluation_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import schema as config_schema
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.algorithm import optimizers
 from tests import helpers
 
 
@@ -361,7 +361,7 @@ def test_microbatched_step_equals_the_whole_batch(islands, data):
   for microbatches in (1, 4):
     _, loss_fn, inner_opt, _, mesh, state = _setup(islands, data)
     step = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
-                                  microbatches=microbatches)
+                                          microbatches=microbatches)
     state, metrics = step(state, _put_batch(batch, mesh))
     results[microbatches] = (jax.device_get(metrics),
                              jax.device_get(state.island_params))

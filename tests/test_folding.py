@@ -27,16 +27,16 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.codecs import dense as codecs
-from diloco_jax.parallel import communication
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.parallel import communication
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
-from diloco_jax.run import train
 from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
+from diloco_jax.run import train
 from tests import helpers
 from tests import test_checkpoint
 
@@ -81,14 +81,14 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = _placed(islands, num_devices)
   state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                            settings.get("error_feedback", False),
-                            settings["compression"])
+                               settings.get("error_feedback", False),
+                               settings["compression"])
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   ddp = settings.get("ddp", False)
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
-                                 sync_gradients_across_islands=ddp)
+                                         sync_gradients_across_islands=ddp)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, settings["compression"],
-                                 rounding_seed=None)
+                                         rounding_seed=None)
   weights = jax.device_put(np.arange(1, islands + 1, dtype=np.float32),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   batches = helpers.random_batches(rounds * inner_steps, islands, 2)
@@ -166,13 +166,13 @@ def test_one_device_outer_step_has_no_collective(variant):
   params, _ = helpers.tiny_problem()
   mesh = _placed(islands, 1)
   state = state_lib.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands,
-                            settings.get("error_feedback", False),
-                            settings["compression"])
+                               settings.get("error_feedback", False),
+                               settings["compression"])
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   hlo = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh,
-                               settings["compression"]).lower(
+                                       settings["compression"]).lower(
                                    state, weights).compile().as_text()
   assert not COLLECTIVES.search(hlo), COLLECTIVES.search(hlo)
 

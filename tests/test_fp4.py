@@ -1,5 +1,5 @@
 """The fp4 (e2m1) dense codec: its grid, rounding, packing, collective and
-bytes, checked against references written independently of codecs.py."""
+bytes, checked against references written independently of codecs/dense.py."""
 
 import math
 
@@ -11,12 +11,12 @@ import pytest
 
 from diloco_jax.config import run_config
 
-from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.codecs import dense as codecs
 from diloco_jax.config import schema as config_schema
+from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
-from diloco_jax.config import validation
 from diloco_jax.parallel.placement import PER_ISLAND
 from tests import helpers
 
@@ -245,7 +245,7 @@ def test_fp4_island_mean_equals_the_host_ring_reference(islands):
   weights = rng.uniform(0.5, 3, islands).astype(np.float32)
   weights[1] = 0.0  # an island without weight sends nothing
   mean, sent = _fp4_island_mean(islands)(tree, weights,
-                                        np.zeros(islands, np.int32))
+                                         np.zeros(islands, np.int32))
   expected_mean, expected_sent = _reference_ring(islands, tree, weights)
   for i in range(islands):
     np.testing.assert_allclose(_flat(mean, i), expected_mean,

@@ -18,13 +18,13 @@ import pytest
 from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.codecs import dense as codecs
-from diloco_jax.parallel import communication
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.codecs import dense as codecs
 from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import communication
+from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from tests import helpers
 
@@ -126,7 +126,7 @@ def _argument_bytes(data: int, fsdp: bool) -> int:
   batch = jax.ShapeDtypeStruct((ISLANDS, 8, 17), np.int32, sharding=(
       NamedSharding(mesh, state_lib.BATCH_SPEC)))
   compiled = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
-                                    fsdp=fsdp).lower(abstract, batch).compile()
+                                            fsdp=fsdp).lower(abstract, batch).compile()
   return compiled.memory_analysis().argument_size_in_bytes
 
 
@@ -143,12 +143,12 @@ def _outer_step_memory(data: int, fsdp: bool, codec):
   params, _ = _problem()
   mesh = _mesh(data)
   state = state_lib.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
-                            ISLANDS)
+                               ISLANDS)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh, fsdp))
   weights = jax.device_put(jnp.ones(ISLANDS),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
   compiled = outer_step_lib.make_outer_step(optax.sgd(1.0), mesh, codec,
-                                    fsdp=fsdp).lower(state, weights).compile()
+                                            fsdp=fsdp).lower(state, weights).compile()
   return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
 
 

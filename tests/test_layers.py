@@ -90,3 +90,17 @@ def test_the_check_sees_a_climbing_import(tmp_path):
   module = tmp_path / "m.py"
   module.write_text("def f():\n  from diloco_jax.run import train as t\n")
   assert _imported_layers(module) == [(2, "run"), (2, "run")]
+
+
+def test_the_old_names_users_import_still_work_with_a_warning():
+  """Config files import config_schema and scripts call
+  train.train_and_evaluate by their names before the layers."""
+  import diloco_jax  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import schema  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
+  for name, module in (("config_schema", schema), ("train", train)):
+    diloco_jax.__dict__.pop(name, None)
+    with pytest.warns(DeprecationWarning, match=module.__name__):
+      assert getattr(diloco_jax, name) is module
+  with pytest.raises(AttributeError):
+    diloco_jax.diloco  # pylint: disable=pointless-statement

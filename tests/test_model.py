@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax.config import schema as config_schema
 from diloco_jax.analysis import flops
+from diloco_jax.config import schema as config_schema
 from diloco_jax.model import transformer as model
 from tests import helpers
 

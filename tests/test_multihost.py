@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from diloco_jax import launch
-from diloco_jax.parallel import multihost
 from diloco_jax.data import sources
+from diloco_jax.parallel import multihost
 from tests import helpers
 from tests import test_checkpoint
 

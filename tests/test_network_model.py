@@ -11,12 +11,12 @@ import pytest
 
 from diloco_jax.config import run_config
 
-from diloco_jax.codecs import dense as codecs
 from diloco_jax.algorithm import compression
-from diloco_jax.config import schema as config_schema
 from diloco_jax.analysis import link_queue
 from diloco_jax.analysis import network_model as nm
 from diloco_jax.analysis import workloads
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.config import schema as config_schema
 
 N = 1_000_000_000  # params; a multiple of every island count used here
 GBIT = 1e9
@@ -104,7 +104,7 @@ def test_streaming_with_one_fragment_and_no_delay_is_diloco():
   for codec in ("fp32", "int4"):
     diloco = workloads.diloco_workload(N, 4, 0.1, 100, codec=codec)
     streaming = workloads.diloco_workload(N, 4, 0.1, 100, codec=codec, fragments=1,
-                                   fragment_delay=0)
+                                          fragment_delay=0)
     for link in (nm.Link(0.1 * GBIT), nm.Link(25 * GBIT, 0.08)):
       assert nm.timing(streaming, link) == nm.timing(diloco, link)
   # With more blocking fragments the same bytes cross, so without latency a
@@ -121,7 +121,7 @@ def test_streaming_with_one_fragment_and_no_delay_is_diloco():
 def test_streaming_peak_bytes_are_a_fragment_of_diloco_s(fragments):
   diloco = workloads.diloco_workload(N, 4, 0.1, 100, codec="bf16")
   streaming = workloads.diloco_workload(N, 4, 0.1, 100, codec="bf16",
-                                 fragments=fragments, fragment_delay=1)
+                                        fragments=fragments, fragment_delay=1)
   assert nm.peak_bytes(streaming) == pytest.approx(
       nm.peak_bytes(diloco) / fragments, rel=1e-12)
   assert nm.bytes_per_step(streaming) == nm.bytes_per_step(diloco)
@@ -134,7 +134,7 @@ def test_streaming_peak_bytes_are_a_fragment_of_diloco_s(fragments):
 def test_overlapping_a_fragment_hides_tau_steps_of_its_sync():
   h, p, tau, step = 100, 10, 2, 0.1
   workload = workloads.diloco_workload(N, 2, step, h, fragments=p,
-                                fragment_delay=tau)
+                                       fragment_delay=tau)
   for bandwidth in (1 * GBIT, 10 * GBIT, 100 * GBIT):
     link = nm.Link(bandwidth, 0.001)
     c = nm.allreduce_time(workload.sync_bytes / p, 2, link)
@@ -216,7 +216,7 @@ def test_contended_streaming_is_paced_by_the_link():
   # tau beyond a fragment's window and syncs longer than it: the collectives
   # queue; the round can be no shorter than the link's busy time.
   workload = workloads.diloco_workload(N, 2, 0.1, 100, fragments=10,
-                                fragment_delay=50)
+                                       fragment_delay=50)
   link = nm.Link(2.5 * GBIT)
   t = nm.timing(workload, link)
   assert t.contended
@@ -267,7 +267,7 @@ def test_codec_ratios_scale_communication_time():
     assert comm(fp32) / comm(w) == pytest.approx(4 / per_value, rel=1e-6)
   for ratio in (3.0, 10.0, 250.0):
     w = workloads.diloco_workload(N, 4, 0.1, 100, codec="topk",
-                           compression_ratio=ratio)
+                                  compression_ratio=ratio)
     assert comm(w) == pytest.approx(comm(fp32) / ratio, rel=1e-12)
     # Blocking DiLoCo's stall is the comm time: it scales the same way.
     assert nm.timing(w, link).stall_s == pytest.approx(
@@ -314,7 +314,7 @@ def test_bad_inputs_name_their_field():
        lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragment_delay=11)),
       ("fragment_delay",
        lambda: workloads.diloco_workload(N, 4, 0.1, 10, fragment_delay=1,
-                                  overlap="one_step_delay")),
+                                         overlap="one_step_delay")),
       ("overlap", lambda: workloads.diloco_workload(N, 4, 0.1, 10, overlap="eager")),
       ("step_time_s", lambda: workloads.diloco_workload(N, 4, -0.1, 10)),
       ("inner_steps", lambda: workloads.diloco_workload(N, 4, 0.1, 0)),
@@ -341,7 +341,7 @@ def test_ddp_all_reduce_can_hide_behind_the_backward_pass():
   step, k = 0.3, 4
   for hidden in (0.0, 0.5, 2 / 3):
     workload = workloads.ddp_workload(N, k, step, inner_steps=10,
-                               hidden_fraction=hidden)
+                                      hidden_fraction=hidden)
     for bandwidth in (10 * GBIT, 100 * GBIT, 1000 * GBIT):
       link = nm.Link(bandwidth)
       c = nm.allreduce_time(workload.sync_bytes, k, link)
@@ -379,15 +379,15 @@ def test_from_config_reads_a_run_s_config():
     for placement, delay in (("device", 0), ("host", 20)):
       config.diloco.outer_placement = placement
       assert workloads.from_config(config, 0.25, 2 * GBIT,
-                            params=tree)[0].delay_steps == delay
-  # DDP counts float32 gradients, as accounting.LinkBytes does.
+                                   params=tree)[0].delay_steps == delay
+  # DDP counts float32 gradients, as link_bytes.LinkBytes does.
   config.mode, config.diloco.overlap = "ddp", "none"
   workload, _ = workloads.from_config(config, 0.25, 2 * GBIT, params=tree)
   assert workload.sync_bytes == compression.mean_bytes(
       tree, 4, compression.as_compression(None))
   config.mode = "single"
   assert nm.utilization(*workloads.from_config(config, 0.25, 2 * GBIT,
-                                        params=tree)) == 1.0
+                                               params=tree)) == 1.0
 
 
 def test_from_config_builds_the_model_s_shapes():
@@ -405,10 +405,10 @@ def test_run_estimate_is_json_for_a_summary():
   config.total_steps, config.pretrain_steps = 240, 40
   config.diloco.inner_steps = 10
   estimate = workloads.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
-                             params=_tree())
+                                    params=_tree())
   json.dumps(estimate)
   workload, link = workloads.from_config(config, 0.25, 0.1 * GBIT, 0.05,
-                                  params=_tree())
+                                         params=_tree())
   assert estimate["network_utilization"] == nm.utilization(workload, link)
   assert estimate["network_wall_s"] == pytest.approx(
       40 * 0.25 + 20 * nm.round_time(workload, link))
@@ -416,7 +416,7 @@ def test_run_estimate_is_json_for_a_summary():
                                                                 "0.95"}
   # A run's measured bytes per sync (e.g. adaptive ranks) replace the count.
   measured = workloads.run_estimate(config, 0.25, 0.1 * GBIT, 0.05,
-                             sync_bytes=123_456.0)
+                                    sync_bytes=123_456.0)
   assert measured["network_sync_bytes"] == 123_456.0
 
 
@@ -427,7 +427,7 @@ def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   plain = workloads.diloco_workload(N, 4, step, h)
   delay = workloads.diloco_workload(N, 4, step, h, overlap="one_step_delay")
   streaming = workloads.diloco_workload(N, 4, step, h, fragments=2,
-                                 fragment_delay=2)
+                                        fragment_delay=2)
   c = nm.allreduce_time(plain.sync_bytes, 4, link)
   assert nm.end_of_run_s(plain, link) == 0.0
   assert nm.end_of_run_s(workloads.ddp_workload(N, 4, step), link) == 0.0

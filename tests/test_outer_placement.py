@@ -10,15 +10,15 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
+from diloco_jax.algorithm import fragments
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.algorithm import fragments
+from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import outer_devices as outer_devices_lib
-from diloco_jax.run import host_outer
 from diloco_jax.parallel import placement
+from diloco_jax.run import host_outer
 from diloco_jax.run import train
-from diloco_jax.config import validation
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_multihost
@@ -41,14 +41,14 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, devices=compute)
   host_state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                                 error_feedback, compression, overlap=overlap)
+                                    error_feedback, compression, overlap=overlap)
   host_state = jax.tree.map(np.array, jax.device_get(host_state))
   shardings = state_lib.state_shardings(host_state, mesh)
   on_device = jax.device_put(host_state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
-                                 inner_opt=inner_opt, overlap=overlap)
+                                         inner_opt=inner_opt, overlap=overlap)
   host = host_outer.build(outer_devices, islands, mesh, outer_opt,
-                                   compression, inner_opt, overlap=overlap)
+                          compression, inner_opt, overlap=overlap)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
     host.compile_in_background(placement.with_shardings(
@@ -101,8 +101,8 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   shardings = state_lib.state_shardings(state, mesh)
   on_device = jax.device_put(state, shardings)
   host = host_outer.build(outer_devices, islands, mesh, outer_opt,
-                                   compression, inner_opt,
-                                   fragments=num_fragments)
+                          compression, inner_opt,
+                          fragments=num_fragments)
   on_host = host.load(jax.device_put(state, shardings))
   stripped_shardings = state_lib.state_shardings(on_host, mesh)
   sends = [fragments.make_fragment_send(outer_opt, mesh, num_fragments, p,

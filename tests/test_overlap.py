@@ -20,13 +20,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.config import run_config
-from diloco_jax.config import schema as config_schema
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
+from diloco_jax.config import schema as config_schema
+from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import train
-from diloco_jax.config import validation
 from tests import helpers
 from tests import test_checkpoint
 
@@ -60,11 +60,11 @@ def _delayed_setup(islands, data=1, fsdp=False, compression=None,
   outer_opt = optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
   state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                            error_feedback, compression, overlap=overlap)
+                               error_feedback, compression, overlap=overlap)
   shardings = state_lib.state_shardings(state, mesh, fsdp)
   state = jax.device_put(state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
-                                 inner_opt=inner_opt, overlap=overlap)
+                                         inner_opt=inner_opt, overlap=overlap)
   flush = outer_step_lib.make_flush(outer_opt, mesh, fsdp)
   return params, mesh, shardings, state, outer, flush
 
@@ -205,7 +205,7 @@ def test_resizing_keeps_the_anchors_of_the_islands_that_stay():
   params, _ = helpers.tiny_problem()
   inner_opt = optax.adam(1e-2)
   state = state_lib.init_state(params, inner_opt, optax.sgd(LR), 3,
-                            overlap="one_step_delay_rebase")
+                               overlap="one_step_delay_rebase")
   moved = jax.tree.map(lambda a: a - 0.5, state.anchors)
   state = state.replace(anchors=moved, island_params=moved)
   fewer = state_lib.resize_islands(state, 2, inner_opt)
@@ -240,7 +240,7 @@ def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
   # The undelayed step with outer SGD lr 1 applies x - D: D is its mean.
   plain_opt = optax.sgd(1.0)
   plain = state_lib.init_state(params, optax.adam(1e-2), plain_opt, islands,
-                            error_feedback, compression)
+                               error_feedback, compression)
   plain_shardings = state_lib.state_shardings(plain, mesh)
   plain = jax.device_put(plain, plain_shardings)
   plain_outer = outer_step_lib.make_outer_step(plain_opt, mesh, compression)

@@ -9,12 +9,12 @@ import pytest
 
 from configs import tiny
 from diloco_jax.algorithm import inner_step as inner_step_lib
-from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import participation
+from diloco_jax.config import validation
 from diloco_jax.run import stops
 from diloco_jax.run import train
-from diloco_jax.config import validation
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_diloco
@@ -94,7 +94,7 @@ def test_idle_islands_rejoin_with_a_fresh_inner_state():
   _, loss_fn, inner_opt, outer_opt, mesh, state = test_diloco._setup(islands)
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   outer_step = outer_step_lib.make_outer_step(outer_opt, mesh, inner_opt=inner_opt,
-                                      restart_dropped=True)
+                                              restart_dropped=True)
   for batch in helpers.random_batches(2, islands, 2):
     state, _ = inner(state, test_diloco._put_batch(batch, mesh))
   before = jax.device_get(state.inner_opt_state)

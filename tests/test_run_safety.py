@@ -23,15 +23,15 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.config import changes as config_changes
 from diloco_jax.algorithm import guards
+from diloco_jax.config import changes as config_changes
+from diloco_jax.config import validation
+from diloco_jax.data import errors as data_errors
+from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.run import integrity
 from diloco_jax.run import resume
 from diloco_jax.run import train
-from diloco_jax.config import validation
 from diloco_jax.run import workdir as workdir_lib
-from diloco_jax.data import errors as data_errors
 from tests import helpers
 from tests import test_checkpoint
 
@@ -424,7 +424,7 @@ def test_allowed_changes_continue_and_are_recorded(finished_8, tmp_path):
 
 
 @pytest.mark.parametrize("saved_mode, mode", [("single", "diloco"),
-                                               ("ddp", "diloco")])
+                                              ("ddp", "diloco")])
 def test_a_checkpoint_of_another_mode_is_never_resumed_in_place(
     tmp_path, saved_mode, mode):
   workdir = str(tmp_path / saved_mode)

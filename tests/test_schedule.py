@@ -7,9 +7,9 @@ the step the loop asks about everything else.
 
 import pytest
 
+from diloco_jax.algorithm import schedule
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import schedule
 
 
 def _plan(**fields) -> schedule.Schedule:
@@ -25,7 +25,7 @@ def test_rounds_end_every_h_steps_and_at_the_last_step():
 @pytest.mark.parametrize("every_rounds,expected", [
     (1, [4, 8, 12, 16, 18]), (2, [8, 16, 18]), (3, [12, 18]), (0, [18])])
 def test_evaluations_every_n_rounds_and_at_the_last_step(every_rounds,
-                                                          expected):
+                                                         expected):
   plan = _plan(eval_every_rounds=every_rounds)
   assert [t for t in range(1, 19) if plan.evaluates(t)] == expected
 

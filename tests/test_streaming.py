@@ -9,17 +9,17 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.config import run_config
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import fragments
-from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.model import transformer as model_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import schedule
-from diloco_jax.run import train
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
+from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import train
 from tests import helpers
 from tests import test_checkpoint
 
@@ -95,7 +95,7 @@ def _state(islands, compression=None, error_feedback=False, num_fragments=1,
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                            error_feedback, compression)
+                               error_feedback, compression)
   return params, inner_opt, outer_opt, state
 
 
@@ -139,7 +139,7 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
   plain = jax.device_put(plain, plain_shardings)
   streaming = jax.device_put(streaming, streaming_shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
-                                 inner_opt=inner_opt)
+                                         inner_opt=inner_opt)
   send = fragments.make_fragment_send(outer_opt, mesh, 1, 0, compression)
   merge = fragments.make_fragment_merge(mesh, 1, 0, alpha=0.0,
                                         inner_opt=inner_opt)
@@ -168,7 +168,7 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
   mesh = mesh_lib.build_mesh(islands)
   shardings = state_lib.state_shardings(state, mesh)
   state = moved_islands(jax.device_put(state, shardings), jax.random.key(0),
-                 shardings)
+                        shardings)
   assignment = fragments.leaf_fragments(params, num_fragments)
   before = jax.device_get(state)
   send = fragments.make_fragment_send(outer_opt, mesh, num_fragments, 1,

@@ -7,13 +7,13 @@ import pytest
 
 from diloco_jax.config import run_config
 
-from diloco_jax.codecs import dense as codecs
-from diloco_jax.parallel import communication
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.codecs import dense as codecs
 from diloco_jax.codecs import lowrank
+from diloco_jax.codecs import sparse
+from diloco_jax.parallel import communication
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
-from diloco_jax.codecs import sparse
 from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
 from tests import helpers
 
@@ -353,8 +353,8 @@ def test_structured_byte_counts_by_hand():
 @pytest.mark.parametrize("islands", [2, 4, 8])
 def test_adaptive_codec_sends_over_ten_times_less_than_fp32(islands):
   from configs import default  # pylint: disable=g-import-not-at-top
-  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
   config = default.get_config()
   config.diloco.codec = "adaptive_lowrank"
   shapes = model_lib.param_shapes(config.model)
@@ -370,8 +370,8 @@ def test_sparse_codecs_keep_their_ratio_at_any_island_count(name):
   fp32 ring does: the ratio does not fall as k grows (an all-gather of
   whole payloads would lose a factor k/2)."""
   from configs import default  # pylint: disable=g-import-not-at-top
-  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import communication  # pylint: disable=g-import-not-at-top
   config = default.get_config()
   config.diloco.codec = name
   shapes = model_lib.param_shapes(config.model)

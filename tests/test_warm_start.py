@@ -16,15 +16,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.algorithm import state as state_lib
-from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import validation
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import state_spec
 from diloco_jax.run import stops
 from diloco_jax.run import train
-from diloco_jax.config import validation
 from diloco_jax.run import warm_start
 from tests import helpers
 
@@ -186,7 +186,7 @@ def _stop_at_inner_call(monkeypatch, at_call: int):
 @pytest.mark.parametrize("stop_at", [2, PRETRAIN + 3],
                          ids=["in_pretraining", "after_the_switch"])
 def test_a_stop_in_either_phase_resumes_to_the_same_run(runs, tmp_path,
-                                                         monkeypatch, stop_at):
+                                                        monkeypatch, stop_at):
   workdir = str(tmp_path / "stopped")
   _stop_at_inner_call(monkeypatch, stop_at)
   with pytest.raises(stops.StopRequested, match=f"at step {stop_at};"):

@@ -66,7 +66,7 @@ def _block_index(path) -> int | None:
       if isinstance(index, jax.tree_util.SequenceKey):
         return index.idx
       if isinstance(index, jax.tree_util.DictKey) and isinstance(index.key,
-                                                                  int):
+                                                                 int):
         return index.key
   return None
 
@@ -191,9 +191,8 @@ def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
   in later.
   """
   compression = compression_lib.as_compression(compression)
-  send_parts = make_send_parts(
-      outer_opt, outer_step_lib.make_island_sync(mesh, compression, rounding_seed,
-                                         fsdp))
+  send_parts = make_send_parts(outer_opt, outer_step_lib.make_island_sync(
+      mesh, compression, rounding_seed, fsdp))
 
   def send(state: state_lib.TrainState, weights: jax.Array):
     assignment = leaf_fragments(state.global_params, num_fragments)

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def queued_round_s(h: int, p: int, tau: int, s: float, c: float,
-                    apply: float) -> float:
+                   apply: float) -> float:
   """Steady-state round time of streaming fragments queued on one link.
 
   Fragment j of a round is sent when the island finishes step
@@ -58,7 +58,7 @@ def queued_round_s(h: int, p: int, tau: int, s: float, c: float,
   # The same fragments are in flight at every round's end.
   assert [d - h for d, _ in due] == carried, (due, carried)
   return max_cycle_mean(np.stack([clock, link_free]
-                                  + [arrives for _, arrives in due]))
+                                 + [arrives for _, arrives in due]))
 
 
 def max_cycle_mean(a: np.ndarray) -> float:

@@ -53,9 +53,9 @@ class Link:
 
   def __post_init__(self):
     require(self.bandwidth_bits_per_s > 0, "bandwidth_bits_per_s",
-             self.bandwidth_bits_per_s, "must be > 0")
+            self.bandwidth_bits_per_s, "must be > 0")
     require(self.latency_s >= 0, "latency_s", self.latency_s,
-             "must be >= 0")
+            "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,40 +93,40 @@ class Workload:
   def __post_init__(self):
     require(self.mode in MODES, "mode", self.mode, f"is not one of {MODES}")
     require(is_int(self.islands) and self.islands >= 1, "islands",
-             self.islands, "must be an integer >= 1")
+            self.islands, "must be an integer >= 1")
     require(self.step_time_s > 0, "step_time_s", self.step_time_s,
-             "must be > 0")
+            "must be > 0")
     require(self.sync_bytes >= 0, "sync_bytes", self.sync_bytes,
-             "must be >= 0")
+            "must be >= 0")
     require(is_int(self.inner_steps) and self.inner_steps >= 1,
-             "inner_steps", self.inner_steps, "must be an integer >= 1")
+            "inner_steps", self.inner_steps, "must be an integer >= 1")
     require(self.overlap in OVERLAPS, "overlap", self.overlap,
-             f"is not one of {OVERLAPS}")
+            f"is not one of {OVERLAPS}")
     require(is_int(self.fragments)
-             and 1 <= self.fragments <= self.inner_steps, "fragments",
-             self.fragments,
-             f"must be an integer in [1, inner_steps={self.inner_steps}]")
+            and 1 <= self.fragments <= self.inner_steps, "fragments",
+            self.fragments,
+            f"must be an integer in [1, inner_steps={self.inner_steps}]")
     require(is_int(self.fragment_delay)
-             and 0 <= self.fragment_delay <= self.inner_steps,
-             "fragment_delay", self.fragment_delay,
-             f"must be an integer in [0, inner_steps={self.inner_steps}]")
+            and 0 <= self.fragment_delay <= self.inner_steps,
+            "fragment_delay", self.fragment_delay,
+            f"must be an integer in [0, inner_steps={self.inner_steps}]")
     require(0 <= self.ddp_hidden_fraction < 1, "ddp_hidden_fraction",
-             self.ddp_hidden_fraction, "must be in [0, 1)")
+            self.ddp_hidden_fraction, "must be in [0, 1)")
     require(self.apply_time_s >= 0, "apply_time_s", self.apply_time_s,
-             "must be >= 0")
+            "must be >= 0")
     if self.mode != "diloco":
       for name, default in (("overlap", "none"), ("fragments", 1),
                             ("fragment_delay", 0)):
         require(getattr(self, name) == default, name, getattr(self, name),
-                 f"is DiLoCo's; mode={self.mode!r} has no outer steps")
+                f"is DiLoCo's; mode={self.mode!r} has no outer steps")
     if self.mode != "ddp":
       require(self.ddp_hidden_fraction == 0, "ddp_hidden_fraction",
-               self.ddp_hidden_fraction,
-               f"is DDP's; mode={self.mode!r} does not all-reduce per step")
+              self.ddp_hidden_fraction,
+              f"is DDP's; mode={self.mode!r} does not all-reduce per step")
     # One-step delay already defers each result by a whole round.
     require(self.overlap == "none" or self.fragment_delay == 0,
-             "fragment_delay", self.fragment_delay,
-             "must be 0 with overlap='one_step_delay' (that is tau = H)")
+            "fragment_delay", self.fragment_delay,
+            "must be 0 with overlap='one_step_delay' (that is tau = H)")
 
   @property
   def delay_steps(self) -> int:
@@ -286,12 +286,12 @@ def bandwidth_for_utilization(target: float, workload: Workload,
       one-off costs forbid at any bandwidth.
   """
   require(0 < target < 1, "target", target,
-           "is not a utilization in (0, 1)")
+          "is not a utilization in (0, 1)")
   at = lambda bandwidth: utilization(workload, Link(bandwidth, latency_s))
   lo, hi = 1.0, 1e21  # bits/s: a modem's worth to far past any link
   require(at(hi) >= target, "target", target,
-           f"is out of reach at latency_s={latency_s}: even an infinitely "
-           f"fast link gives {at(hi):.4f}")
+          f"is out of reach at latency_s={latency_s}: even an infinitely "
+          f"fast link gives {at(hi):.4f}")
   if workload.sync_bytes == 0:  # only latency: no bandwidth helps or hurts
     return 0.0
   if at(lo) >= target:

@@ -6,18 +6,20 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.analysis import network_model
-from diloco_jax.analysis.network_model import Link, Workload
-from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.analysis.network_model import (Link, Workload,
+                                               bandwidth_for_utilization,
+                                               end_of_run_s, is_int, require,
+                                               timing)
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
 
 
 def _params_tree(params):
   """A params tree of abstract leaves: `params` itself, or one flat leaf of
   that many float32 values for a count."""
-  if network_model.is_int(params):
-    network_model.require(params >= 0, "num_params", params, "must be >= 0")
+  if is_int(params):
+    require(params >= 0, "num_params", params, "must be >= 0")
     return {"params": jax.ShapeDtypeStruct((params,), jnp.float32)}
   return params
 
@@ -49,36 +51,36 @@ def bytes_per_sync(params, islands: int, codec="fp32", *,
   Returns:
     Bytes (0 for one island).
   """
-  network_model.require(network_model.is_int(islands) and islands >= 1, "islands", islands,
-           "must be an integer >= 1")
+  require(is_int(islands) and islands >= 1, "islands", islands,
+          "must be an integer >= 1")
   tree = _params_tree(params)
   if isinstance(codec, compression_lib.Compression):
     compression = codec
   elif codec is None:
     compression = None
   else:
-    network_model.require(codec in compression_lib.CODECS, "codec", codec,
-             f"is not one of {compression_lib.CODECS} (or None with a "
-             "compression_ratio)")
+    require(codec in compression_lib.CODECS, "codec", codec,
+            f"is not one of {compression_lib.CODECS} (or None with a "
+            "compression_ratio)")
     compression = (compression_lib.Compression(
         codec, codecs.make_codec(codec, block_size))
                    if codec in codecs.DENSE_CODECS else None)
   name = compression.name if compression else codec
   if compression_ratio is not None:
-    network_model.require(compression_ratio > 0, "compression_ratio", compression_ratio,
-             "must be > 0")
-    network_model.require(name not in codecs.DENSE_CODECS, "compression_ratio",
-             compression_ratio,
-             f"is for structured codecs; codec={name!r}'s bytes are exact")
+    require(compression_ratio > 0, "compression_ratio", compression_ratio,
+            "must be > 0")
+    require(name not in codecs.DENSE_CODECS, "compression_ratio",
+            compression_ratio,
+            f"is for structured codecs; codec={name!r}'s bytes are exact")
     return bytes_per_sync(tree, islands, "fp32",
                           stripes=stripes) / compression_ratio
-  network_model.require(compression is not None, "compression_ratio", None,
-           f"is needed for codec={name!r}: it gives that codec's bytes")
+  require(compression is not None, "compression_ratio", None,
+          f"is needed for codec={name!r}: it gives that codec's bytes")
   # A structured Compression over a real params tree is exact (at the top of
   # an adaptive codec's rank ladder); over a count it has no matrices.
-  network_model.require(compression.is_dense or not network_model.is_int(params), "compression_ratio",
-           None, f"is needed for codec={name!r} given a parameter count: its"
-           " bytes depend on each matrix's shape")
+  require(compression.is_dense or not is_int(params), "compression_ratio",
+          None, f"is needed for codec={name!r} given a parameter count: its"
+          " bytes depend on each matrix's shape")
   return float(compression_lib.mean_bytes(tree, islands, compression,
                                           stripes=stripes))
 
@@ -208,13 +210,13 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
                                latency_s, params=params,
                                sync_bytes=sync_bytes,
                                compression_ratio=compression_ratio)
-  t = network_model.timing(workload, link)
+  t = timing(workload, link)
   pretrain = min(config.pretrain_steps, config.total_steps)
   steps = config.total_steps - pretrain
   needed = {}
   for target in targets:
     try:
-      needed[str(target)] = network_model.bandwidth_for_utilization(target, workload,
+      needed[str(target)] = bandwidth_for_utilization(target, workload,
                                                       latency_s)
     except ValueError:
       needed[str(target)] = None
@@ -227,6 +229,6 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
       "network_utilization": t.utilization,
       "network_wall_s": pretrain * step_time_s
                         + steps / workload.inner_steps * t.round_s
-                        + (network_model.end_of_run_s(workload, link) if steps else 0.0),
+                        + (end_of_run_s(workload, link) if steps else 0.0),
       "network_bandwidth_for_utilization": needed,
   }

@@ -6,7 +6,7 @@
   lowrank.py  power-iteration helpers and the rank ladder of the low-rank
               codecs.
 
-Imports nothing of diloco_jax (may import no other layer). What crosses the island link, and how it is
-reduced, is built from these in parallel/communication.py (dense) and
+May import no other layer. What crosses the island link, and how it
+is reduced, is built from these in parallel/communication.py (dense) and
 algorithm/compression.py (pytrees).
 """

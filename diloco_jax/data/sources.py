@@ -123,14 +123,14 @@ def make_batch_source(data_config, num_islands: int, batch_size: int,
                              split, islands)
   corpus = _cached_corpus(data_config)
   if split == "iid":
-    batches = in_memory_batches.IslandBatches(corpus.train, num_islands, batch_size,
-                                    seed=seed, islands=islands)
+    batches = in_memory_batches.IslandBatches(
+        corpus.train, num_islands, batch_size, seed=seed, islands=islands)
     weights = np.full(num_islands, 1.0 / num_islands)
   else:
     island_sequences = corpus_lib.build_island_sequences(
         data_config, num_islands, seed)
-    batches = in_memory_batches.ClusteredIslandBatches(island_sequences, batch_size,
-                                             seed=seed, islands=islands)
+    batches = in_memory_batches.ClusteredIslandBatches(
+        island_sequences, batch_size, seed=seed, islands=islands)
     tokens = np.array([sequences.size for sequences in island_sequences],
                       dtype=np.float64)
     weights = tokens / tokens.sum()
@@ -151,7 +151,8 @@ def make_eval_batches(data_config, batch_size: int,
   data_config = settings_lib.of(data_config)
   if not data_config.streamed:
     corpus = _cached_corpus(data_config)
-    return in_memory_batches.eval_batches(corpus.validation, batch_size, num_batches)
+    return in_memory_batches.eval_batches(corpus.validation, batch_size,
+                                          num_batches)
   documents = _c4_documents(data_config, "validation", min_shards=1)
   sequences = sharded_batches.eval_sequences(
       documents, tokenizer_lib.build_tokenizer(data_config),

@@ -25,8 +25,8 @@ from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
 from diloco_jax.run import placing
 from diloco_jax.run import progress as progress_lib
-from diloco_jax.run import recovery
 from diloco_jax.run import records
+from diloco_jax.run import recovery
 from diloco_jax.run import resume
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import start as start_lib
@@ -181,7 +181,8 @@ class TrainingLoop:
     synced = self._setup.run_config.participation(step)
     self._count_step(synced)
     self._records.finish_pending()
-    round_ended, evaluating = schedule.ends_round(step), schedule.evaluates(step)
+    round_ended = schedule.ends_round(step)
+    evaluating = schedule.evaluates(step)
     if evaluating and self._programs.evaluate_island_mean is not None:
       # Before the outer step resets them, the islands' plain average.
       self._island_mean_loss = float(self._programs.evaluate_island_mean(
@@ -214,7 +215,10 @@ class TrainingLoop:
     config, programs = self._config, self._programs
     batch = self._batches.take()
     nan_island = self._setup.run_config.nan_island
-    if nan_island and step == (nan_island[1] - 1) * config.diloco.inner_steps + 1:
+    # config.testing.nan_island: the island's params turn NaN as its round
+    # starts.
+    if nan_island and step == ((nan_island[1] - 1)
+                               * config.diloco.inner_steps + 1):
       self.state = jax.jit(
           state_lib.poison_island, static_argnums=1,
           out_shardings=state_lib.state_shardings(

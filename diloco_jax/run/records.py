@@ -7,8 +7,8 @@ holds what the whole run trained, sent, measured and changed.
 
 import math
 
-from diloco_jax.run import progress as progress_lib
 from diloco_jax.analysis import flops
+from diloco_jax.run import progress as progress_lib
 
 
 def ratio(numerator: float, denominator: float) -> float | None:

@@ -13,10 +13,10 @@ import jax
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.config import changes as config_changes
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import changes as config_changes
 from diloco_jax.parallel import placement
+from diloco_jax.run import checkpoints as checkpointing
 
 
 class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
@@ -56,7 +56,7 @@ def config_record(config) -> dict:
 
 
 def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
-             islands: int, compare_config: bool = True):
+                   islands: int, compare_config: bool = True):
   """Restores the newest readable checkpoint, adapting the island count.
 
   Returns:
@@ -72,7 +72,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
       abstract_state.global_params)
   current_layout = checkpointing.state_layout_record(abstract_state)
   target_shardings = state_lib.state_shardings(abstract_state, mesh,
-                                           config.mesh.fsdp)
+                                               config.mesh.fsdp)
 
   def restore(step, meta):
     path = f"{checkpointer.directory}/{step}"

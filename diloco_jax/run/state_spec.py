@@ -50,9 +50,9 @@ class StateSpec:
   def init(self, params) -> state_lib.TrainState:
     """The state with every island and x at `params` (traceable)."""
     state = state_lib.init_state(params, self.inner_opt, self.outer_opt,
-                              self.islands, self.error_feedback,
-                              self.compression, seed=self.seed,
-                              overlap=self.overlap)
+                                 self.islands, self.error_feedback,
+                                 self.compression, seed=self.seed,
+                                 overlap=self.overlap)
     if self.fragments:
       state = state.replace(outer_opt_state=fragments_lib.init_outer_states(
           params, self.outer_opt, self.fragments))

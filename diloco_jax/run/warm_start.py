@@ -25,13 +25,13 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.config import schema as config_schema
-from diloco_jax.algorithm import state as state_lib
-from diloco_jax.model import transformer as model_lib
 from diloco_jax.algorithm import optimizers
-from diloco_jax.run import state_spec
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.run import checkpoints as checkpointing
+from diloco_jax.run import state_spec
 
 PRETRAIN_DIR = "pretrain"  # under the workdir
 
@@ -156,7 +156,7 @@ def warm_state(source_state: state_lib.TrainState, source_mode: str,
         source_state.inner_opt_state)
   else:
     inner = optimizers.with_step_counts(state.inner_opt_state,
-                                          source_state.step)
+                                        source_state.step)
   return state.replace(step=source_state.step, round=source_state.round,
                        inner_opt_state=inner)
 

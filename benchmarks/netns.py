@@ -1,0 +1,107 @@
+"""Linux network namespaces joined by a bridge, with shaped links (root).
+
+For benchmarks of what crosses a network between processes on one machine
+(shaped_links.py): each process runs in a namespace of its own, and its
+egress is rate-limited with the tbf qdisc. Only the namespaces, links and
+/etc/netns entries made here are touched, and `Network.close` removes them.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+
+def _sh(*cmd: str, check: bool = True) -> str:
+  r = subprocess.run(cmd, capture_output=True, text=True)
+  if check and r.returncode:
+    raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): "
+                       f"{r.stderr.strip()}")
+  return r.stdout
+
+
+class Network:
+  """`n` namespaces joined by veth pairs to a bridge of their own, holding
+  SUBNET.2, SUBNET.3, ...; `shape` rate-limits each one's egress with tbf,
+  `close` removes everything `create` made."""
+
+  def __init__(self, n: int, subnet: str):
+    tag = f"dj{os.getpid()}"
+    self.bridge = f"{tag}br"
+    self.ns = [f"{tag}n{i}" for i in range(n)]
+    self.veth_ns = [f"{tag}v{i}" for i in range(n)]  # inside namespace i
+    self.veth_host = [f"{tag}h{i}" for i in range(n)]  # on the bridge
+    self.subnet = subnet
+    self.addr = [f"{subnet}.{i + 2}" for i in range(n)]
+    self._created: list[tuple[str, str]] = []  # (kind, name), in order
+    self._made_etc_netns = False
+
+  def create(self) -> None:
+    if f"{self.subnet}." in _sh("ip", "-4", "route", "show", "table",
+                                "all"):
+      raise RuntimeError(f"subnet {self.subnet}.0/24 is routed already; "
+                         f"pick another with --subnet")
+    _sh("ip", "link", "add", self.bridge, "type", "bridge")
+    self._created.append(("link", self.bridge))
+    _sh("ip", "link", "set", self.bridge, "up")
+    if not os.path.isdir("/etc/netns"):
+      os.makedirs("/etc/netns")
+      self._made_etc_netns = True
+    hostname = socket.gethostname()
+    for ns, vn, vh, addr in zip(self.ns, self.veth_ns, self.veth_host,
+                                self.addr):
+      _sh("ip", "netns", "add", ns)
+      self._created.append(("netns", ns))
+      etc = f"/etc/netns/{ns}"
+      os.makedirs(etc)
+      self._created.append(("dir", etc))
+      with open(f"{etc}/hosts", "w") as f:
+        f.write(f"127.0.0.1 localhost\n::1 localhost\n{addr} {hostname}\n")
+      _sh("ip", "link", "add", vh, "type", "veth", "peer", "name", vn)
+      self._created.append(("link", vh))
+      _sh("ip", "link", "set", vn, "netns", ns)
+      _sh("ip", "link", "set", vh, "master", self.bridge)
+      _sh("ip", "link", "set", vh, "up")
+      self.exec(ns, "ip", "addr", "add", f"{addr}/24", "dev", vn)
+      self.exec(ns, "ip", "link", "set", vn, "up")
+      self.exec(ns, "ip", "link", "set", "lo", "up")
+
+  def exec(self, ns: str, *cmd: str) -> str:
+    return _sh("ip", "netns", "exec", ns, *cmd)
+
+  def shape(self, mbit: float | None) -> None:
+    for ns, vn in zip(self.ns, self.veth_ns):
+      if mbit is None:
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", vn,
+            "root", check=False)
+      else:
+        self.exec(ns, "tc", "qdisc", "replace", "dev", vn, "root", "tbf",
+                  "rate", f"{mbit}mbit", "burst", "64kb", "latency", "100ms")
+
+  def counters(self) -> list[dict]:
+    out = []
+    for ns, vn in zip(self.ns, self.veth_ns):
+      stats = f"/sys/class/net/{vn}/statistics"
+      out.append({k: int(self.exec(ns, "cat", f"{stats}/{k}"))
+                  for k in ("tx_bytes", "rx_bytes")})
+    return out
+
+  def close(self) -> None:
+    for kind, name in reversed(self._created):
+      try:
+        if kind == "netns":
+          _sh("ip", "netns", "del", name, check=False)
+        elif kind == "link":
+          if os.path.exists(f"/sys/class/net/{name}"):
+            _sh("ip", "link", "del", name, check=False)
+        elif kind == "dir":
+          shutil.rmtree(name, ignore_errors=True)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"cleanup of {kind} {name}: {e}", file=sys.stderr)
+    self._created.clear()
+    if self._made_etc_netns:
+      try:
+        os.rmdir("/etc/netns")
+      except OSError:
+        pass
