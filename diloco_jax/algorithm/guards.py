@@ -5,7 +5,9 @@ step late (so the host never waits on the device) and hands them here; a NaN
 or inf in any island is found at the step it is fetched. What the run does
 then is `config.nonfinite`: 'stop' (the default) raises NonFiniteError,
 'rollback' restores the last good checkpoint and skips the batches taken
-since, at most `config.max_rollbacks` times.
+since, at most `config.max_rollbacks` times. On the device, `all_finite`
+and `islands_finite` tell the outer step which islands' pseudo-gradients it
+must leave out.
 """
 
 import math

@@ -3,7 +3,8 @@
 The DiLoCo paper varies the number of islands over training (its
 adaptive-compute study) and drops islands' outer gradients at random (its
 dropped-communication study). Both are a per-round mask over the islands,
-a pure function of (config, round), so a resumed run draws the same masks.
+a pure function of the round (`Participation`, built once from the
+config), so a resumed run draws the same masks.
 
 - `config.diloco.island_schedule`: "A->B" ramps the active count linearly
   from A islands in the first round to B in the last (e.g. "1->8", "8->1");
