@@ -74,8 +74,9 @@ class OuterSide:
   them back for a checkpoint (`assemble`). Subclasses run the algorithm's
   pieces there and compile them from shapes (`_compile_all`)."""
 
-  def __init__(self, outer_devices, islands: int, compute_mesh, fsdp: bool):
-    self.mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
+  def __init__(self, mesh, islands: int, compute_mesh, fsdp: bool):
+    """`mesh`: the outer devices' island mesh (one device per process)."""
+    self.mesh = mesh
     self._islands = islands
     self._compute_mesh = compute_mesh
     self._fsdp = fsdp
@@ -160,12 +161,12 @@ class RoundOuter(OuterSide):
   islands' params (and anchors) go out, the collective and the outer
   optimizer run there, and x comes back."""
 
-  def __init__(self, outer_devices, islands: int, compute_mesh, *,
+  def __init__(self, mesh, islands: int, compute_mesh, *,
                outer_opt: optax.GradientTransformation, sync,
                inner_opt: optax.GradientTransformation, overlap: str,
                restart_dropped: bool, fsdp: bool):
-    """`sync`: outer_step.make_island_sync's on the outer devices."""
-    super().__init__(outer_devices, islands, compute_mesh, fsdp)
+    """`sync`: outer_step.make_island_sync's on `mesh`."""
+    super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
     self._rebased = overlap_lib.rebases(overlap)
     self._restart_dropped = restart_dropped
@@ -242,10 +243,10 @@ class FragmentOuter(OuterSide):
   leaves go out, its collective and outer step run there while the islands
   train, and its merge takes the fragment's x back (`fragment_x`)."""
 
-  def __init__(self, outer_devices, islands: int, compute_mesh, *,
+  def __init__(self, mesh, islands: int, compute_mesh, *,
                outer_opt: optax.GradientTransformation, sync, compression,
                fragments: int, fsdp: bool):
-    super().__init__(outer_devices, islands, compute_mesh, fsdp)
+    super().__init__(mesh, islands, compute_mesh, fsdp)
     self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
     self._compression = compression_lib.as_compression(compression)
     self._fragments = fragments
@@ -361,10 +362,10 @@ def build(outer_devices, islands: int, compute_mesh,
       stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
       reference_per_island=overlap_lib.rebases(overlap))
   if fragments:
-    return FragmentOuter(outer_devices, islands, compute_mesh,
+    return FragmentOuter(mesh, islands, compute_mesh,
                          outer_opt=outer_opt, sync=sync,
                          compression=compression, fragments=fragments,
                          fsdp=fsdp)
-  return RoundOuter(outer_devices, islands, compute_mesh, outer_opt=outer_opt,
+  return RoundOuter(mesh, islands, compute_mesh, outer_opt=outer_opt,
                     sync=sync, inner_opt=inner_opt, overlap=overlap,
                     restart_dropped=restart_dropped, fsdp=fsdp)

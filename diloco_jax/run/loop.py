@@ -145,7 +145,6 @@ class TrainingLoop:
     start_tokens = self.progress.tokens_seen
     self._writer.start_clock(start_tokens)
     self._records.start_clock()
-    train_start = time.perf_counter()
     step = self._start_step
     while step < self._config.total_steps:
       if self._records.stop_requested():
@@ -167,7 +166,7 @@ class TrainingLoop:
         island_mean_loss=(self._island_mean_loss
                           if programs.evaluate_island_mean is not None
                           else None),
-        startup_s=self._startup_s, train_s=time.perf_counter() - train_start)
+        startup_s=self._startup_s, train_s=self._records.elapsed_s())
 
   def sync_bytes(self) -> int:
     """What one island sends in one sync of every param, at this round's

@@ -39,6 +39,10 @@ class StepRecords:
     """Marks the loop's start: records give their time since."""
     self._train_start = time.perf_counter()
 
+  def elapsed_s(self) -> float:
+    """Seconds since start_clock."""
+    return time.perf_counter() - self._train_start
+
   def stop_requested(self) -> bool:
     """Whether any process was asked to stop, as the last exchange said
     (or a new exchange, when none has happened since the last call)."""
@@ -80,7 +84,7 @@ class StepRecords:
     kept = finite if some_diverged else np.ones_like(finite)
     # Wall-clock since this process's loop started, when the step's
     # metrics (and, at a round's end, its syncs and eval) were done.
-    record["elapsed_s"] = time.perf_counter() - self._train_start
+    record["elapsed_s"] = self.elapsed_s()
     record["train_loss"] = float(np.mean(losses[kept]))
     record["grad_norm"] = float(np.mean(norms[kept]))
     if some_diverged:
