@@ -84,15 +84,49 @@ def _configure_devices(config) -> None:
 
 
 class _QuietLibraries:
-  """Drops INFO lines of the libraries that log every checkpoint operation.
+  """Keeps orbax's log to what is news.
 
   orbax logs through absl at INFO several lines per save, drowning the
-  progress lines; their warnings and errors still show.
+  progress lines: those are dropped. Its errors come without their
+  tracebacks: every failure it logs reaches the run as an exception, which
+  ends the run with one line naming the path and the reason.
   """
 
   def filter(self, record) -> bool:
-    noisy = f"{os.sep}orbax{os.sep}" in record.pathname
-    return not noisy or record.levelno > 20  # 20 = INFO
+    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    record.exc_info = record.exc_text = None
+    return record.levelno > 20  # 20 = INFO
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with each mistake reported in one line: an
+  unknown config field (with the nearest one), a bad value, a config file
+  that does not load."""
+  try:
+    remaining = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # a config file that failed to load raises here
+  except flags.Error as e:
+    _exit(2, f"error: {e}")
+  except Exception as e:  # pylint: disable=broad-except
+    # pylint: disable-next=g-import-not-at-top
+    from diloco_jax.config import flag_errors
+    _exit(2, "error: " + flag_errors.describe(e, argv))
+  return remaining
+
+
+def _exit(code: int, message: str) -> None:
+  """Prints `message` last and ends the process now.
+
+  After the run has released its workdir and waited for what it could
+  save, nothing is left to do; a library's thread still waiting (orbax's
+  after a failed write, a compile abandoned by a signal) must not keep
+  the process alive.
+  """
+  logging.flush()
+  sys.stdout.flush()
+  print(message, file=sys.stderr, flush=True)
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def main(argv):
@@ -106,6 +140,7 @@ def main(argv):
   from diloco_jax.config import validation
   from diloco_jax.data import errors as data_errors
   from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.run import files
   from diloco_jax.run import stops
   from diloco_jax.run import train
   from diloco_jax.run import workdir
@@ -115,20 +150,21 @@ def main(argv):
                              launch_time=_LAUNCH_TIME)
   except stops.StopRequested as e:
     logging.warning("%s", e)
-    print(str(e), file=sys.stderr)
-    sys.exit(e.exit_code)
+    _exit(e.exit_code, str(e))
   except KeyboardInterrupt:
     # A second Ctrl-C: the run was interrupted mid-step; any checkpoint
     # being saved was finished first.
-    sys.exit("interrupted: rerun the same command to resume from the last "
-             "checkpoint")
+    _exit(1, "interrupted: rerun the same command to resume from the last "
+          "checkpoint")
   except (validation.ConfigError, workdir.WorkdirError,
-          checkpointing.IncompatibleCheckpointError, data_errors.DataError,
-          guards.NonFiniteError) as e:
+          checkpointing.IncompatibleCheckpointError,
+          checkpointing.UnreadableCheckpointsError, data_errors.DataError,
+          guards.NonFiniteError, files.StorageError,
+          files.UnsafeFileError) as e:
     # What the user can fix, in one line and last: no traceback.
     logging.error("%s", e)
-    sys.exit(f"error: {e}")
+    _exit(1, f"error: {e}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

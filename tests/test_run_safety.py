@@ -298,17 +298,16 @@ def test_a_second_run_into_a_running_workdir_stops_naming_the_holder(
   first.send_signal(signal.SIGKILL)
   first.wait()
   # The kernel released the dead run's lock: the workdir is usable at once.
-  _, held = workdir_lib.claim(workdir)
-  held.release()
+  workdir_lib.claim(workdir).release()
 
 
 def test_the_lock_is_exclusive_within_a_process_too(tmp_path):
-  _, held = workdir_lib.claim(str(tmp_path))
+  held = workdir_lib.claim(str(tmp_path))
   with pytest.raises(workdir_lib.WorkdirError,
                      match=rf"in use by another run \(pid {os.getpid()}\)"):
     workdir_lib.claim(str(tmp_path))
   held.release()
-  workdir_lib.claim(str(tmp_path))[1].release()
+  workdir_lib.claim(str(tmp_path)).release()
 
 
 @pytest.mark.parametrize("workdir, message", [

@@ -27,12 +27,41 @@ class Problems:
 
   def positive_int(self, config, field: str) -> bool:
     """Requires config's dotted `field` to be an integer >= 1."""
-    value = config
-    for part in field.split("."):
-      value = value[part]
+    value = _get(config, field)
     return self.require(
         isinstance(value, int) and not isinstance(value, bool) and value >= 1,
         field, f"config.{field}={value!r} must be an integer >= 1")
+
+  def number_in(self, config, field: str, low: float, high: float,
+                bounds: str = "[]", integer: bool = False) -> bool:
+    """Requires config's dotted `field` to be a number (an integer if
+    `integer`) between `low` and `high`, each bound included where
+    `bounds` ('[]', '[)', '(]' or '()') says; an infinite bound is open."""
+    value = _get(config, field)
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok:
+      above = value >= low if bounds[0] == "[" else value > low
+      below = value <= high if bounds[1] == "]" else value < high
+      ok = above and below
+    if high == float("inf"):
+      wanted = f"{'>=' if bounds[0] == '[' else '>'} {low:g}"
+    else:
+      wanted = f"in {bounds[0]}{low:g}, {high:g}{bounds[1]}"
+    return self.require(
+        ok, field, f"config.{field}={value!r} must be "
+        f"{'an integer' if integer else 'a number'} {wanted}")
+
+  def one_of(self, config, field: str, choices) -> bool:
+    """Requires config's dotted `field` to be one of `choices`."""
+    value = _get(config, field)
+    choices = tuple(choices)
+    if all(isinstance(choice, bool) for choice in choices):
+      ok = isinstance(value, bool)  # 1 == True, but 1 is no flag
+    else:
+      ok = not isinstance(value, bool) and value in choices
+    return self.require(
+        ok, field, f"config.{field}={value!r} is not one of {choices}")
 
   def ok(self, *fields: str) -> bool:
     """Whether none of `fields` has had a problem."""
@@ -45,3 +74,10 @@ class Problems:
     if self.messages:
       raise ConfigError(f"{len(self.messages)} problems in the config:\n  "
                         + "\n  ".join(self.messages))
+
+
+def _get(config, field: str):
+  """config's dotted `field`."""
+  for part in field.split("."):
+    config = config[part]
+  return config

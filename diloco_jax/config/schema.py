@@ -44,7 +44,13 @@ def base_config() -> ml_collections.ConfigDict:
       # optimizers, codec, data, mode, seed, model, eval) is refused unless
       # the changed fields are named here, comma-separated (e.g.
       # 'total_steps,diloco.codec'; a section name allows all its fields).
-      "resume": Section({"allow_changes": ""}),
+      "resume": Section({
+          "allow_changes": "",
+          # When checkpoints exist but none reads back, the run stops and
+          # lists them; True sets them aside (checkpoints.unreadable/) and
+          # trains from step 0, as summary.json then records.
+          "from_scratch_if_unreadable": False,
+      }),
       # A NaN or inf loss, gradient norm or eval loss: 'stop' with an error
       # naming the step and island, or 'rollback' to the last good
       # checkpoint, skipping the batches taken since (at most max_rollbacks

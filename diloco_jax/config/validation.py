@@ -29,6 +29,34 @@ _POSITIVE_INTS = (
     "model.num_layers", "model.d_model", "model.num_heads", "model.head_dim",
     "model.mlp_dim", "model.vocab_size", "model.max_sequence_length")
 
+_INF = float("inf")
+# Every other numeric field with a meaningful range: (field, low, high,
+# which bounds are included, whether it is an integer).
+_RANGES = (
+    ("seed", 0, 2**31 - 1, "[]", True),
+    ("log_every_seconds", 0, _INF, "[)", False),
+    ("inner_optimizer.learning_rate", 0, _INF, "()", False),
+    ("inner_optimizer.warmup_steps", 0, _INF, "[)", True),
+    ("inner_optimizer.final_learning_rate_fraction", 0, 1, "[]", False),
+    ("inner_optimizer.weight_decay", 0, _INF, "[)", False),
+    ("inner_optimizer.b1", 0, 1, "[)", False),
+    ("inner_optimizer.b2", 0, 1, "[)", False),
+    ("inner_optimizer.eps", 0, _INF, "[)", False),
+    ("inner_optimizer.grad_clip_norm", 0, _INF, "[)", False),
+    ("diloco.outer_optimizer.learning_rate", 0, _INF, "()", False),
+    ("diloco.outer_optimizer.momentum", 0, 1, "[)", False),
+    ("diloco.outer_optimizer.b1", 0, 1, "[)", False),
+    ("diloco.outer_optimizer.b2", 0, 1, "[)", False),
+    ("diloco.outer_optimizer.eps", 0, _INF, "[)", False),
+    ("model.rope_base", 0, _INF, "()", False),
+    ("checkpoint.max_to_keep", 1, _INF, "[)", True),
+    ("checkpoint.every_rounds", 0, _INF, "[)", True),
+    ("checkpoint.every_steps", 0, _INF, "[)", True),
+)
+_FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
+          "checkpoint.async_save", "diloco.stochastic_rounding",
+          "diloco.error_feedback", "resume.from_scratch_if_unreadable")
+
 
 def validate_config(config, num_devices: int) -> run_config.RunConfig:
   """The checked `config` as a RunConfig; ConfigError listing every problem.
@@ -43,6 +71,10 @@ def validate_config(config, num_devices: int) -> run_config.RunConfig:
       f"config.mode={config.mode!r} is not one of {config_schema.MODES}")
   for name in _POSITIVE_INTS:
     problems.positive_int(config, name)
+  for name, low, high, bounds, integer in _RANGES:
+    problems.number_in(config, name, low, high, bounds, integer)
+  for name in _FLAGS:
+    problems.one_of(config, name, (True, False))
   _check_mesh(config, num_devices, problems)
   _check_eval(config, problems)
   _check_network(config, problems)
@@ -174,30 +206,17 @@ def _check_optimizers(config, problems: Problems) -> None:
       "diloco.outer_optimizer.name",
       f"config.diloco.outer_optimizer.name={outer.name!r} is not one of "
       f"{config_schema.OUTER_OPTIMIZERS}")
-  problems.require(outer.learning_rate > 0,
-                   "diloco.outer_optimizer.learning_rate",
-                   "config.diloco.outer_optimizer.learning_rate must be > 0")
-  problems.require(0 <= outer.momentum < 1, "diloco.outer_optimizer.momentum",
-                   "config.diloco.outer_optimizer.momentum must be in [0, 1)")
   inner = config.inner_optimizer
   problems.require(
       inner.name in config_schema.INNER_OPTIMIZERS, "inner_optimizer.name",
       f"config.inner_optimizer.name={inner.name!r} is not one of "
       f"{config_schema.INNER_OPTIMIZERS}")
-  problems.require(inner.learning_rate > 0, "inner_optimizer.learning_rate",
-                   "config.inner_optimizer.learning_rate must be > 0")
-  problems.require(inner.warmup_steps >= 0, "inner_optimizer.warmup_steps",
-                   "config.inner_optimizer.warmup_steps must be >= 0")
-  problems.require(
-      inner.grad_clip_norm >= 0, "inner_optimizer.grad_clip_norm",
-      "config.inner_optimizer.grad_clip_norm must be >= 0 (0 disables)")
 
 
 def _check_model(config, problems: Problems) -> None:
   model = config.model
-  problems.require(
-      model.dtype in ("float32", "bfloat16"), "model.dtype",
-      f"config.model.dtype={model.dtype!r} is not 'float32' or 'bfloat16'")
+  problems.one_of(config, "model.dtype", model_lib.DTYPES)
+  problems.one_of(config, "model.param_dtype", model_lib.DTYPES)
   if problems.ok("data.sequence_length", "model.max_sequence_length"):
     problems.require(
         config.data.sequence_length <= model.max_sequence_length,

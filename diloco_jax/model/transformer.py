@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = tuple(_DTYPES)  # config.model.dtype and param_dtype
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 # GPT-2 / Chinchilla-style scale for embeddings (and the untied head).

@@ -12,11 +12,20 @@ Every save is checked first: a state holding NaN or inf is never written (so
 The record carries a digest of every array (integrity.py) and of itself;
 restoring recomputes them, so a checkpoint whose bytes changed on disk is
 set aside like an unreadable one.
+
+A save that fails for want of storage (a read-only file system, a full
+disk, a quota) raises files.StorageError naming the directory and the
+reason; `abandon` then removes what the failed save left half-written.
+When checkpoints exist but none reads back, restoring raises
+UnreadableCheckpointsError rather than letting the run start over.
 """
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -26,6 +35,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from diloco_jax.algorithm import guards
+from diloco_jax.run import files
 from diloco_jax.run import integrity
 
 STATE = "state"
@@ -91,6 +101,9 @@ class Checkpointer:
     creates, removes and moves nothing there."""
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self._read_only = read_only
+    # {step: why} of the checkpoints set aside when none read back and the
+    # caller chose to start over (latest_readable).
+    self.started_over_from = None
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -125,10 +138,32 @@ class Checkpointer:
       raise problem
     meta = {**meta, CHECKSUMS: digests}
     meta[META_DIGEST] = _meta_digest(meta)
-    self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state),
-        META: ocp.args.JsonSave(meta),
-    }), force=True)
+    with self._storage_errors():
+      self._manager.save(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardSave(state),
+          META: ocp.args.JsonSave(meta),
+      }), force=True)
+
+  @contextlib.contextmanager
+  def _storage_errors(self):
+    """Turns a failure to write (here or in a save still in flight, which
+    orbax reports at the next call) into one StorageError."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if files.os_reason(e) is None:
+        raise  # not a storage failure: a bug to see whole
+      raise files.storage_error("checkpoints in", self.directory, e) from e
+
+  def abandon(self) -> None:
+    """After a StorageError: removes the temporary directories of saves
+    that did not finish (orbax would on the next start; a full disk is
+    better freed now). Finalized checkpoints are untouched."""
+    if self._read_only or jax.process_index() != 0:
+      return
+    for path in glob.glob(os.path.join(glob.escape(self.directory),
+                                       "*.orbax-checkpoint-tmp*")):
+      shutil.rmtree(path, ignore_errors=True)
 
   def read_meta(self, step: int) -> dict:
     """The JSON record saved with `step` (cheap: no arrays are read).
@@ -164,35 +199,61 @@ class Checkpointer:
         raise CorruptCheckpointError(mismatch)
     return state
 
-  def latest_readable(self, restore_fn):
+  def latest_readable(self, restore_fn, steps=None,
+                      start_over_if_unreadable: bool = False,
+                      refusals: tuple = (), what: str = ""):
     """Restores the newest checkpoint that reads back, falling back on errors.
+
+    Newer checkpoints that do not read back are set aside (see _set_aside),
+    unless none reads back: then they stay where they are and the error
+    lists them, so no rerun mistakes an empty directory for a new run.
 
     Args:
       restore_fn: called as restore_fn(step, meta); it must raise if the
         checkpoint cannot be used (a truncated or corrupted file).
+      steps: the steps to try, oldest first (default: every one).
+      start_over_if_unreadable: when none reads back, set them all aside
+        and return None instead of raising.
+      refusals: exception types restore_fn raises to refuse a checkpoint
+        that reads back (raised at once, as IncompatibleCheckpointError).
+      what: the checkpoints' role, to start UnreadableCheckpointsError's
+        message (default: the run's own, with how to go on).
 
     Returns:
-      (step, meta, whatever restore_fn returned), or None without checkpoints.
+      (step, meta, whatever restore_fn returned), or None without
+      checkpoints.
+
+    Raises:
+      UnreadableCheckpointsError: checkpoints exist, none reads back.
+      IncompatibleCheckpointError: what restore_fn raised of it.
     """
-    unreadable = []
-    try:
-      for step in reversed(self.steps()):
-        try:
-          meta = self.read_meta(step)
-          return step, meta, restore_fn(step, meta)
-        except IncompatibleCheckpointError:
-          raise
-        except Exception as e:  # pylint: disable=broad-except
-          # Truncated or corrupted files surface as many error types (from
-          # tensorstore, msgpack, json); any of them means "not this one".
-          unreadable.append(step)
-          logging.warning(
-              "checkpoint at step %d in %s is unreadable (%s: %s); falling "
-              "back to the previous one", step, self.directory,
-              type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-      return None
-    finally:
+    unreadable = {}
+    for step in reversed(self.steps() if steps is None else steps):
+      try:
+        meta = self.read_meta(step)
+        restored = restore_fn(step, meta)
+      except (IncompatibleCheckpointError, *refusals):
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        # Truncated or corrupted files surface as many error types (from
+        # tensorstore, msgpack, json); any of them means "not this one".
+        unreadable[step] = f"{type(e).__name__}: {_first_line(e)}"
+        logging.warning("checkpoint at step %d in %s is unreadable (%s); "
+                        "falling back to the previous one", step,
+                        self.directory, unreadable[step])
+        continue
       self._set_aside(unreadable)
+      return step, meta, restored
+    if not unreadable:
+      return None
+    error = UnreadableCheckpointsError(self.directory, unreadable, what)
+    if not start_over_if_unreadable:
+      raise error
+    self._set_aside(unreadable)
+    self.started_over_from = unreadable
+    logging.warning("%s; starting over as config.resume."
+                    "from_scratch_if_unreadable asks", error)
+    return None
 
   def _set_aside(self, steps) -> None:
     """Moves unreadable checkpoints out of the way, keeping them to inspect.
@@ -212,12 +273,19 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    """Blocks until the last save is on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until the last save is on disk (StorageError if it failed)."""
+    with self._storage_errors():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the last save (StorageError if it failed) and closes."""
+    self.wait()
     self._manager.close()
+
+
+def _first_line(error: BaseException) -> str:
+  lines = str(error).strip().splitlines()
+  return lines[0][:200] if lines else type(error).__name__
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -226,3 +294,28 @@ class IncompatibleCheckpointError(ValueError):
 
 class CorruptCheckpointError(RuntimeError):
   """A checkpoint whose content no longer matches the digests saved with it."""
+
+
+class UnreadableCheckpointsError(RuntimeError):
+  """Checkpoints exist but none reads back; the message lists each and why.
+
+  Attributes:
+    unreadable: {step: why it did not read back}.
+  """
+
+  def __init__(self, directory: str, unreadable: dict[int, str],
+               what: str = ""):
+    """`what`: whose checkpoints (default: the run's own, with how to go
+    on)."""
+    self.unreadable = unreadable
+    listed = "; ".join(f"step {step}: {why}"
+                       for step, why in sorted(unreadable.items()))
+    if what:
+      message = f"{what}: no checkpoint in {directory} reads back ({listed})"
+    else:
+      message = (
+          f"no checkpoint in {directory} reads back ({listed}); they are "
+          "left in place: repair or remove them, or rerun with --config."
+          "resume.from_scratch_if_unreadable=true to set them aside and "
+          "train from step 0")
+    super().__init__(message)

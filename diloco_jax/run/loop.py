@@ -143,7 +143,7 @@ class TrainingLoop:
     """
     self._programs = programs
     start_tokens = self.progress.tokens_seen
-    self._writer.start_clock(start_tokens)
+    self._writer.start_clock(start_tokens, self._start_step)
     self._records.start_clock()
     step = self._start_step
     while step < self._config.total_steps:

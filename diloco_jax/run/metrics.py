@@ -13,6 +13,8 @@ import time
 import jax
 from absl import logging
 
+from diloco_jax.run import files
+
 
 def _is_writer() -> bool:
   return jax.process_index() == 0
@@ -37,47 +39,46 @@ def json_safe(value):
 
 
 def write_json_atomically(path: str, payload: dict) -> None:
-  """Writes JSON to `path` through a temporary file and a rename.
-
-  A reader (or a crash) never sees a half-written file.
-  """
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(json_safe(payload), f, indent=2, sort_keys=True,
-              allow_nan=False)
-    f.write("\n")
-  os.replace(tmp, path)
+  """Replaces `path` with `payload` as JSON (files.write_atomically: never
+  half-written, never through a symlink; StorageError on failure)."""
+  files.write_atomically(path, json.dumps(
+      json_safe(payload), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 class MetricsWriter:
   """Writes each step's scalars to metrics.jsonl and TensorBoard.
 
   Also logs a progress line (step/total, round, loss, tokens/s, ETA) at most
-  every `log_every_seconds`, and always for evaluation steps.
+  every `log_every_seconds`, and always for evaluation steps. A run that
+  starts again from step s (a resume, a rollback) has its points after s
+  dropped: metrics.jsonl is cut, and TensorBoard is told to purge them
+  (tensorboardX's purge_step), so each step has one point.
   """
 
   def __init__(self, workdir: str, total_steps: int,
-               log_every_seconds: float = 5.0, islands: int | None = None):
+               log_every_seconds: float = 5.0, islands: int | None = None,
+               start_step: int = 0):
     self._total_steps = total_steps
     self._islands = islands
     self._log_every = log_every_seconds
     self._last_log = -math.inf
     self._start = None
     self._start_tokens = 0
+    self._start_step = start_step
     self._jsonl = None
     self._tensorboard = None
     self._workdir = workdir
+    self._path = os.path.join(workdir, "metrics.jsonl")
     if _is_writer():
-      # Imported here so that reading metrics (tests, notebooks) does not
-      # need TensorBoard's protobuf stack.
-      from tensorboardX import SummaryWriter
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._jsonl = files.open_append(self._path)
+      self._tensorboard = _tensorboard_writer(workdir, start_step)
 
-  def start_clock(self, tokens_seen: int = 0) -> None:
-    """Marks the start of timed training (after compilation)."""
+  def start_clock(self, tokens_seen: int = 0, step: int = 0) -> None:
+    """Marks the start of timed training (after compilation), at `step`
+    with `tokens_seen`: rates and the ETA count from there."""
     self._start = time.perf_counter()
     self._start_tokens = tokens_seen
+    self._start_step = step
 
   def tokens_per_second(self, tokens_seen: int) -> float:
     elapsed = time.perf_counter() - self._start
@@ -86,8 +87,11 @@ class MetricsWriter:
   def write(self, record: dict) -> None:
     """Writes one step's record (must hold 'step', 'round', 'tokens_seen')."""
     if self._jsonl is not None:
-      self._jsonl.write(json.dumps(json_safe(record), sort_keys=True,
-                                   allow_nan=False) + "\n")
+      line = json.dumps(json_safe(record), sort_keys=True, allow_nan=False)
+      try:
+        self._jsonl.write(line + "\n")
+      except OSError as e:
+        raise files.storage_error("metrics", self._path, e) from None
       for key, value in record.items():
         if (key != "step" and isinstance(value, (int, float))
             and math.isfinite(value)):
@@ -97,9 +101,10 @@ class MetricsWriter:
   def truncate(self, last_step: int) -> None:
     """Drops the records after `last_step` (a rollback takes them again)."""
     if self._jsonl is not None:
-      self._jsonl.close()
+      self.close()
       truncate_metrics(self._workdir, last_step)
-      self._jsonl = open(os.path.join(self._workdir, "metrics.jsonl"), "a")
+      self._jsonl = files.open_append(self._path)
+      self._tensorboard = _tensorboard_writer(self._workdir, last_step)
 
   def _maybe_log(self, record: dict) -> None:
     now = time.perf_counter()
@@ -109,9 +114,9 @@ class MetricsWriter:
     self._last_log = now
     step = record["step"]
     rate = self.tokens_per_second(record["tokens_seen"])
-    elapsed = now - self._start
-    done = step / self._total_steps
-    eta = elapsed * (1 - done) / max(done, 1e-9)
+    # The steps left at the pace of the steps taken since the clock began.
+    eta = ((now - self._start) * (self._total_steps - step)
+           / max(step - self._start_step, 1))
     line = (f"step {step}/{self._total_steps} round {record['round']} "
             f"loss {record['train_loss']:.4f}")
     if is_eval:
@@ -128,15 +133,34 @@ class MetricsWriter:
     logging.info(line)
 
   def flush(self) -> None:
+    """Puts what was written on disk (StorageError if it cannot be)."""
     if self._jsonl is not None:
-      self._jsonl.flush()
+      try:
+        self._jsonl.flush()
+      except OSError as e:
+        raise files.storage_error("metrics", self._path, e) from None
       self._tensorboard.flush()
 
   def close(self) -> None:
     if self._jsonl is not None:
-      self._jsonl.close()
+      jsonl, self._jsonl = self._jsonl, None
       self._tensorboard.close()
-      self._jsonl = self._tensorboard = None
+      self._tensorboard = None
+      try:
+        jsonl.close()
+      except OSError as e:
+        raise files.storage_error("metrics", self._path, e) from None
+
+
+def _tensorboard_writer(workdir: str, start_step: int):
+  """TensorBoard's writer for a run going on from `start_step`: points of
+  later steps, left by an earlier attempt, are purged (a first start too:
+  an attempt killed before its first checkpoint left points)."""
+  # Imported here so that reading metrics (tests, notebooks) does not need
+  # TensorBoard's protobuf stack.
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  return SummaryWriter(os.path.join(workdir, "tensorboard"),
+                       purge_step=start_step + 1)
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -159,12 +183,9 @@ def write_metrics(workdir: str, records: list[dict]) -> None:
   """Replaces workdir/metrics.jsonl with `records`, atomically."""
   if not _is_writer():
     return
-  path = os.path.join(workdir, "metrics.jsonl")
-  with open(path + ".tmp", "w") as f:
-    for record in records:
-      f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False)
-              + "\n")
-  os.replace(path + ".tmp", path)
+  files.write_atomically(os.path.join(workdir, "metrics.jsonl"), "".join(
+      json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n"
+      for record in records))
 
 
 def truncate_metrics(workdir: str, last_step: int) -> int:
@@ -192,8 +213,6 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
         kept.append(line if line.endswith("\n") else line + "\n")
       else:
         dropped += 1
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+  if dropped:
+    files.write_atomically(path, "".join(kept))
   return dropped

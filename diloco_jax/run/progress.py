@@ -22,6 +22,9 @@ class Progress:
   config_changes: list = dataclasses.field(default_factory=list)
   rollbacks: list = dataclasses.field(default_factory=list)
   initialized_from: dict | None = None  # warm_start.WarmStart.record
+  # Each time the run started over because no checkpoint read back
+  # (config.resume.from_scratch_if_unreadable): {step: why} set aside.
+  started_over: list = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
     steps = np.zeros(self.islands, np.int64)

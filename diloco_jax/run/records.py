@@ -56,15 +56,39 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, mesh,
           "mfu": flops_per_token * tokens_per_s / peak if peak else None}
 
 
+def timed_steps(metrics: list[dict]) -> tuple[int, int, float]:
+  """(steps, tokens, seconds) the records of metrics.jsonl timed.
+
+  Each record's `elapsed_s` counts from the start of its attempt's loop
+  (a resumed run starts again from 0), so a step's time is its record's
+  elapsed_s less the previous record's in the same attempt, or its own
+  elapsed_s when it starts an attempt. Pretraining records are left out.
+  """
+  steps, tokens, seconds = 0, 0, 0.0
+  previous = None
+  for record in metrics:
+    if record.get("phase") == "pretrain" or record.get("elapsed_s") is None:
+      continue
+    if previous is not None and record["step"] == previous["step"] + 1:
+      elapsed = record["elapsed_s"]
+      same_attempt = elapsed >= previous["elapsed_s"]
+      seconds += elapsed - previous["elapsed_s"] if same_attempt else elapsed
+      tokens += record["tokens_seen"] - previous["tokens_seen"]
+      steps += 1
+    previous = record
+  return steps, tokens, seconds
+
+
 def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
-            start_step: int, start_tokens: int, timings: dict,
+            start_step: int, timed: tuple[int, int, float], timings: dict,
             flops_per_token: float, mesh, eval_loss: float,
             island_mean_loss: float | None,
             entropy_rate: float | None) -> dict:
   """The run's summary.json: what was trained, sent, measured and changed.
 
-  Throughput counts only the tokens of this process's steps (from
-  start_tokens), over timings['train_s'].
+  Throughput is `timed`'s (steps, tokens, seconds): this process's steps,
+  or, for a run resumed at its end, what metrics.jsonl timed
+  (timed_steps).
   """
   config, mode = run_config.config, run_config.config.mode
   result = {
@@ -93,12 +117,14 @@ def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
       # Fields changed on resume (resume.allow_changes) and NaN rollbacks.
       "config_changes": progress.config_changes,
       "rollbacks": progress.rollbacks,
+      # Checkpoints set aside unread when the run started over.
+      "started_over": progress.started_over,
       # The model the run started from (init_from, pretrain_steps) or None.
       "pretrain_steps": config.pretrain_steps,
       "initialized_from": progress.initialized_from,
   }
-  result.update(throughput(progress.tokens_seen - start_tokens,
-                           timings["train_s"], flops_per_token, mesh,
+  result["timed_steps"] = timed[0]
+  result.update(throughput(timed[1], timed[2], flops_per_token, mesh,
                            config.model.dtype))
   byte_level = config.data.tokenizer == "byte"
   result.update({"final_" + k: v

@@ -60,9 +60,12 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
   """Restores the newest readable checkpoint, adapting the island count.
 
   Returns:
-    (step, meta, state), or None when there is no checkpoint.
+    (step, meta, state), or None when there is no checkpoint (or none
+    reads back, under config.resume.from_scratch_if_unreadable).
 
   Raises:
+    checkpointing.UnreadableCheckpointsError: checkpoints exist but none
+      reads back.
     checkpointing.IncompatibleCheckpointError: the checkpoint was written for
       a model of another shape, or (ConfigChangedError) with a config whose
       meaning differs, when compare_config (checked before any array is
@@ -117,7 +120,9 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
     return jax.jit(lambda s: state_lib.resize_islands(s, islands, inner_opt),
                    out_shardings=target_shardings)(saved)
 
-  return checkpointer.latest_readable(restore)
+  return checkpointer.latest_readable(
+      restore, start_over_if_unreadable=(
+          config.resume.from_scratch_if_unreadable))
 
 
 def restore_data_positions(batches, meta: dict, islands: int) -> None:

@@ -21,6 +21,7 @@ or rolls it back and is never saved; SIGTERM and Ctrl-C save before exiting
 config that changes the run's meaning is refused (config/changes.py).
 """
 
+import concurrent.futures
 import json
 import os
 import time
@@ -88,18 +89,18 @@ def train_and_evaluate(config, workdir: str, devices=None,
   run_config = validation.validate_config(config, num_devices=len(devices))
   setup_lib.check_processes(run_config, devices)
   source = _warm_start_source(run_config, workdir)
-  workdir, lock = workdir_lib.claim(workdir,
-                                    lock=jax.process_index() == 0)
+  # Reads the data: what cannot be read is reported before the workdir is
+  # claimed.
+  setup = setup_lib.build(run_config, devices, outer_devices)
+  claim = workdir_lib.claim(workdir, lock=jax.process_index() == 0)
   try:
     with stops.StopSignals() as signals:
       if config.pretrain_steps:
-        source, launch_time = _pretrain(config, workdir, devices,
+        source, launch_time = _pretrain(config, claim.workdir, devices,
                                         launch_time)
-      return _train(run_config, workdir, devices, launch_time, signals,
-                    source, outer_devices)
+      return _train(setup, claim.workdir, launch_time, signals, source)
   finally:
-    if lock is not None:
-      lock.release()
+    claim.release()
 
 
 def _warm_start_source(run_config: run_config_lib.RunConfig,
@@ -158,15 +159,13 @@ def _close_after_error(checkpointer, writer) -> None:
     writer.close()
 
 
-def _train(run_config: run_config_lib.RunConfig, workdir: str, devices,
-           launch_time: float, signals: stops.StopSignals,
-           source: warm_start.Source | None, outer_devices=None) -> dict:
+def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
+           signals: stops.StopSignals,
+           source: warm_start.Source | None) -> dict:
   """train_and_evaluate's body, in a locked workdir with signals caught;
-  a first start begins from `source`'s model when given; with
-  `outer_devices` (outer_placement='host') the outer step runs there."""
+  a first start begins from `source`'s model when given."""
   wall_start = time.perf_counter()
-  config = run_config.config
-  setup = setup_lib.build(run_config, devices, outer_devices)
+  config = setup.config
   checkpointer = checkpoints_lib.Checkpointer(
       workdir, max_to_keep=config.checkpoint.max_to_keep,
       async_save=config.checkpoint.async_save)
@@ -176,6 +175,10 @@ def _train(run_config: run_config_lib.RunConfig, workdir: str, devices,
     # A warm start is read (and refused) before anything compiles.
     start = (_resume(setup, checkpointer)
              or start_lib.first_start(setup, source))
+    if checkpointer.started_over_from:
+      start.progress.started_over.append({
+          str(step): why
+          for step, why in checkpointer.started_over_from.items()})
     if (start.restored and start.step == config.total_steps
         and os.path.exists(summary_path)):
       logging.info("the run in %s already finished", workdir)
@@ -189,10 +192,10 @@ def _train(run_config: run_config_lib.RunConfig, workdir: str, devices,
     _prepare_workdir(setup, start, workdir)
     writer = metrics_lib.MetricsWriter(workdir, config.total_steps,
                                        config.log_every_seconds,
-                                       setup.islands)
+                                       setup.islands, start_step=start.step)
     loop = loop_lib.TrainingLoop(setup, start, checkpointer, writer, signals,
                                  source, launch_time)
-    programs = compiling.result()
+    programs = _compiled(compiling, signals, start)
     _log_plan(setup, loop, programs, launch_time)
     finished = loop.run(programs)
     checkpointer.close()
@@ -201,13 +204,27 @@ def _train(run_config: run_config_lib.RunConfig, workdir: str, devices,
     _close_after_error(checkpointer, writer)
     raise
   summary = _summary(setup, start, finished, programs.compile_s,
-                     time.perf_counter() - wall_start)
+                     time.perf_counter() - wall_start, workdir)
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(summary_path, summary)
   logging.info("done: final eval loss %.4f, %.0f tokens/s, %.1f MB sent",
                finished.eval_loss, summary["tokens_per_s"],
                finished.progress.comm_bytes / 1e6)
   return summary
+
+
+def _compiled(compiling, signals: stops.StopSignals, start: start_lib.Start):
+  """The compiled programs, once `compiling` ends; a stop signal meanwhile
+  ends a one-process run at once: no step has been taken, so there is
+  nothing to save, and the compile is abandoned. (The processes of a
+  multi-process run agree on a stop at their next step.)"""
+  while True:
+    try:
+      return compiling.result(timeout=0.1)
+    except concurrent.futures.TimeoutError:
+      if signals.requested and jax.process_count() == 1:
+        raise stops.StopRequested(signals.signal_name, start.step,
+                                  saved=False) from None
 
 
 def _prepare_workdir(setup: setup_lib.RunSetup, start: start_lib.Start,
@@ -271,25 +288,33 @@ def _log_plan(setup: setup_lib.RunSetup, loop, programs,
 
 
 def _summary(setup: setup_lib.RunSetup, start: start_lib.Start,
-             finished: loop_lib.Finished, compile_s: float,
-             wall_s: float) -> dict:
+             finished: loop_lib.Finished, compile_s: float, wall_s: float,
+             workdir: str) -> dict:
   """The run's summary, with the network model's estimate for the step
-  time this process measured."""
+  time measured: this process's steps, or, resumed at the end (a run
+  killed before its summary), the steps metrics.jsonl timed."""
   config = setup.config
+  if finished.steps_taken:
+    timed = (finished.steps_taken,
+             finished.progress.tokens_seen - finished.start_tokens,
+             finished.train_s)
+  else:
+    timed = records.timed_steps(metrics_lib.read_metrics(workdir))
   flops_per_token = flops.training_flops_per_token(
       config.model, config.data.sequence_length)
   summary = records.summary(
       setup.run_config, finished.progress, num_params=setup.num_params,
-      start_step=start.step, start_tokens=finished.start_tokens,
+      start_step=start.step, timed=timed,
       timings={"compile_s": compile_s, "startup_s": finished.startup_s,
                "train_s": finished.train_s, "wall_s": wall_s},
       flops_per_token=flops_per_token, mesh=setup.mesh,
       eval_loss=finished.eval_loss,
       island_mean_loss=finished.island_mean_loss,
       entropy_rate=setup.data.batches.info.entropy_rate)
-  if finished.steps_taken:  # the step time of this process's steps
+  steps, _, seconds = timed
+  if steps:
     summary.update(workloads.run_estimate(
-        config, step_time_s=finished.train_s / finished.steps_taken,
+        config, step_time_s=seconds / steps,
         bandwidth_bits_per_s=config.network.bandwidth_bits_per_s,
         latency_s=config.network.latency_s,
         params=setup.abstract_state.global_params))

@@ -161,20 +161,32 @@ def warm_state(source_state: state_lib.TrainState, source_mode: str,
                        inner_opt_state=inner)
 
 
-def _newest_record(checkpointer, source: Source) -> tuple[int, dict]:
-  """(step, meta) of the newest readable checkpoint `source` names."""
-  steps = checkpointer.steps()
-  if source.step is not None:
-    steps = [s for s in steps if s == source.step]
-  for step in reversed(steps):
-    try:
-      return step, checkpointer.read_meta(step)
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("init_from: checkpoint at step %d in %s is unreadable "
-                      "(%s); trying the previous one", step,
-                      checkpointer.directory, e)
-  raise checkpointing.IncompatibleCheckpointError(
-      f"config.init_from: no readable checkpoint in {source}")
+def _newest_readable(source: Source, read_fn):
+  """(step, meta, read_fn(step, meta, where)) of the newest checkpoint of
+  `source` that reads back; unreadable newer ones are passed over (the
+  source's files are never moved).
+
+  Raises:
+    checkpointing.UnreadableCheckpointsError: none reads back.
+    what read_fn raises to refuse one (another model, no steps left).
+  """
+  checkpointer = checkpointing.Checkpointer(source.workdir, read_only=True)
+  try:
+    steps = checkpointer.steps()
+    if source.step is not None:
+      steps = [s for s in steps if s == source.step]
+    found = checkpointer.latest_readable(
+        lambda step, meta: read_fn(
+            checkpointer, step, meta,
+            f"config.init_from: checkpoint {checkpointer.directory}/{step}"),
+        steps=steps, refusals=(validation.ConfigError,),
+        what="config.init_from")
+  finally:
+    checkpointer.close()
+  if found is None:
+    raise checkpointing.IncompatibleCheckpointError(
+        f"config.init_from: no checkpoint in {source}")
+  return found
 
 
 def _check_record(step: int, meta: dict, where: str, config) -> None:
@@ -194,21 +206,16 @@ def _check_record(step: int, meta: dict, where: str, config) -> None:
 
 
 def check(source: Source, config) -> None:
-  """Reads only the record of the checkpoint `source` names and refuses
+  """Reads only the records of the checkpoints `source` names and refuses
   what cannot start this run (cheap: for before anything is written).
 
   Raises:
     checkpointing.IncompatibleCheckpointError: another model, no config
-      record, or no readable checkpoint.
+      record; (UnreadableCheckpointsError) no readable record.
     validation.ConfigError: the checkpoint's step leaves no steps to train.
   """
-  checkpointer = checkpointing.Checkpointer(source.workdir, read_only=True)
-  try:
-    step, meta = _newest_record(checkpointer, source)
-  finally:
-    checkpointer.close()
-  _check_record(step, meta, f"config.init_from: checkpoint "
-                f"{checkpointer.directory}/{step}", config)
+  _newest_readable(source, lambda _, step, meta, where: _check_record(
+      step, meta, where, config))
 
 
 def load(source: Source, spec: state_spec.StateSpec, config, mesh,
@@ -219,18 +226,18 @@ def load(source: Source, spec: state_spec.StateSpec, config, mesh,
     spec, config: this run's state and config.
     mesh, target_shardings: where this run's state lives.
 
+  Falls back to the newest checkpoint of `source` whose arrays read back.
+
   Raises:
-    what `check` raises.
+    what `check` raises; UnreadableCheckpointsError when no checkpoint's
+    arrays read back.
   """
-  checkpointer = checkpointing.Checkpointer(source.workdir, read_only=True)
-  try:
-    step, meta = _newest_record(checkpointer, source)
-    where = f"config.init_from: checkpoint {checkpointer.directory}/{step}"
+  def read(checkpointer, step, meta, where):
     _check_record(step, meta, where, config)
     return _build(checkpointer, step, meta, where, source, spec,
                   config.model, mesh, target_shardings)
-  finally:
-    checkpointer.close()
+
+  return _newest_readable(source, read)[2]
 
 
 def _build(checkpointer, step, meta, where, source, spec, model_config, mesh,

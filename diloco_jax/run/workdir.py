@@ -1,21 +1,32 @@
 """The workdir: checked before anything is compiled, and held by one run.
 
 `claim(workdir)` is the first thing a run does with its workdir. It refuses
-an empty path, a path it cannot create or write, and a workdir holding run
-outputs that cannot be resumed; then it takes an advisory lock that lasts
-for the run's life. The lock is an `fcntl.flock` on `workdir/run.lock`: the
-kernel drops it when the process ends in any way, SIGKILL included, so a
-dead run never leaves a stale lock behind, and a second run into the same
-workdir stops at once with the holder's pid instead of interleaving its
-metrics and checkpoints with the first.
+an empty path, a path it cannot create or write, a workdir holding run
+outputs that cannot be resumed, and a symlink where the run keeps one of
+its own files or directories (files.py); then it takes an advisory lock
+that lasts for the run's life. The lock is an `fcntl.flock` on
+`workdir/run.lock`: the kernel drops it when the process ends in any way,
+SIGKILL included, so a dead run never leaves a stale lock behind, and a
+second run into the same workdir stops at once with the holder's pid
+instead of interleaving its metrics and checkpoints with the first.
+
+A run that fails before writing any output leaves no trace: releasing the
+claim of a workdir it created removes the lock and the empty directories.
 """
 
+import contextlib
 import errno
 import fcntl
 import os
 
+from diloco_jax.run import files
+
 LOCK_FILE = "run.lock"
 RUN_FILES = ("metrics.jsonl", "summary.json")
+# Every name the run creates or replaces in its workdir (orbax writes under
+# checkpoints/, tensorboardX under tensorboard/).
+OWN_NAMES = (LOCK_FILE, *RUN_FILES, "config.json", "checkpoints",
+             "checkpoints.unreadable", "tensorboard", "pretrain")
 
 
 class WorkdirError(ValueError):
@@ -27,17 +38,29 @@ class WorkdirLock:
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, LOCK_FILE)
+    while True:
+      self._fd = self._lock(workdir)
+      # A run that removed the file (release(remove=True)) after this one
+      # opened it leaves this one holding a lock on a name no other run
+      # sees: lock again, on the file there is now.
+      if _same_file(self._fd, self.path):
+        break
+      os.close(self._fd)
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+  def _lock(self, workdir: str) -> int:
     try:
-      # O_RDWR without O_TRUNC: a refused run must not erase the holder's pid.
-      self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      # Without O_TRUNC: a refused run must not erase the holder's pid.
+      fd = files.open_no_follow(self.path)
     except OSError as e:
       raise WorkdirError(f"--workdir={workdir}: cannot write {self.path}: "
                          f"{e.strerror}") from None
     try:
-      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
-      os.close(self._fd)
+      holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+      os.close(fd)
       if e.errno not in (errno.EAGAIN, errno.EACCES):
         raise WorkdirError(f"--workdir={workdir}: cannot lock {self.path}: "
                            f"{e.strerror}") from None
@@ -45,13 +68,17 @@ class WorkdirLock:
           f"--workdir={workdir} is in use by another run (pid "
           f"{holder or 'unknown'}); wait for it to end or choose another "
           "workdir") from None
-    os.ftruncate(self._fd, 0)
-    os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
-  def release(self) -> None:
-    """Drops the lock (the file stays: removing it would race a new run)."""
+  def release(self, remove: bool = False) -> None:
+    """Drops the lock; `remove` also deletes the file (while still held,
+    so a run that opened it meanwhile sees it gone and locks anew)."""
     if self._fd is not None:
-      os.ftruncate(self._fd, 0)
+      if remove:
+        with contextlib.suppress(OSError):
+          os.remove(self.path)
+      else:
+        os.ftruncate(self._fd, 0)
       os.close(self._fd)  # closing the last descriptor releases the flock
       self._fd = None
 
@@ -62,21 +89,90 @@ class WorkdirLock:
     self.release()
 
 
-def _check_path(workdir) -> str:
+def _same_file(fd: int, path: str) -> bool:
+  try:
+    on_disk = os.stat(path, follow_symlinks=False)
+  except FileNotFoundError:
+    return False
+  held = os.fstat(fd)
+  return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+class Claim:
+  """A workdir held by this run.
+
+  Attributes:
+    workdir: the absolute path.
+    lock: its WorkdirLock (None on processes that take none).
+    created: whether this claim created the directory.
+  """
+
+  def __init__(self, workdir: str, lock: WorkdirLock | None, created: bool):
+    self.workdir, self.lock, self.created = workdir, lock, created
+
+  def release(self) -> None:
+    """Drops the lock; a directory this claim created that holds no output
+    (only the lock and empty directories) is removed with it."""
+    if self.lock is None:
+      return
+    unused = self.created and _holds_no_output(self.workdir)
+    self.lock.release(remove=unused)
+    if unused:
+      for name in os.listdir(self.workdir):
+        with contextlib.suppress(OSError):
+          os.rmdir(os.path.join(self.workdir, name))  # empty ones only
+      with contextlib.suppress(OSError):
+        os.rmdir(self.workdir)
+
+
+def _holds_no_output(workdir: str) -> bool:
+  """Whether `workdir` holds nothing but the lock and empty directories."""
+  for name in os.listdir(workdir):
+    path = os.path.join(workdir, name)
+    if name == LOCK_FILE:
+      continue
+    if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
+      return False
+  return True
+
+
+def _check_path(workdir) -> tuple[str, bool]:
+  """(the absolute workdir, whether it was created now)."""
   if not isinstance(workdir, str) or not workdir.strip():
     raise WorkdirError(f"--workdir={workdir!r}: give a directory for the "
                        "run's outputs")
   workdir = os.path.abspath(workdir)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f"--workdir={workdir} is a file, not a directory")
+  created = not os.path.exists(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise WorkdirError(f"--workdir={workdir}: cannot create it: "
                        f"{e.strerror}") from None
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise WorkdirError(f"--workdir={workdir} is not writable")
-  return workdir
+  # access(2) also answers for read-only file systems.
+  for path in (workdir, os.path.join(workdir, "checkpoints")):
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+      raise WorkdirError(f"--workdir={workdir}: {path} is not writable ("
+                         + os.strerror(_write_errno(path)) + ")")
+  return workdir, created
+
+
+def _write_errno(path: str) -> int:
+  """Why `path` cannot be written: EROFS on a read-only mount, else
+  EACCES."""
+  return (errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY
+          else errno.EACCES)
+
+
+def _check_own_names(workdir: str) -> None:
+  """Refuses a symlink where the run keeps its own files (it would write
+  through it, outside the workdir)."""
+  for name in OWN_NAMES:
+    try:
+      files.refuse_symlink(os.path.join(workdir, name))
+    except files.UnsafeFileError as e:
+      raise WorkdirError(f"--workdir={workdir}: {e}") from None
 
 
 def _check_outputs(workdir: str) -> None:
@@ -90,7 +186,7 @@ def _check_outputs(workdir: str) -> None:
           "from; choose a new workdir or delete that one")
 
 
-def claim(workdir: str, lock: bool = True) -> tuple[str, WorkdirLock | None]:
+def claim(workdir: str, lock: bool = True) -> Claim:
   """Checks `workdir`, creates it, and locks it for this run.
 
   Args:
@@ -99,19 +195,30 @@ def claim(workdir: str, lock: bool = True) -> tuple[str, WorkdirLock | None]:
       than process 0, which write nothing there).
 
   Returns:
-    (the absolute workdir, its lock or None); release the lock when the run
-    ends (it is also released when the process dies).
+    The Claim; release it when the run ends (the lock is also released
+    when the process dies).
 
   Raises:
     WorkdirError: the path is empty, not a directory, not writable, holds
-      outputs without checkpoints, or another run holds the lock.
+      outputs without checkpoints or a symlink where the run keeps its own
+      file, or another run holds the lock.
   """
-  workdir = _check_path(workdir)
-  held = WorkdirLock(workdir) if lock else None
+  workdir, created = _check_path(workdir)
+  try:
+    _check_own_names(workdir)
+    held = Claim(workdir, WorkdirLock(workdir) if lock else None, created)
+  except WorkdirError:
+    _remove_if_created_empty(workdir, created)
+    raise
   try:
     _check_outputs(workdir)
   except WorkdirError:
-    if held is not None:
-      held.release()
+    held.release()
     raise
-  return workdir, held
+  return held
+
+
+def _remove_if_created_empty(workdir: str, created: bool) -> None:
+  if created:
+    with contextlib.suppress(OSError):
+      os.rmdir(workdir)
