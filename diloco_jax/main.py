@@ -125,7 +125,15 @@ def _exit(code: int, message: str) -> None:
   """
   logging.flush()
   sys.stdout.flush()
-  print(message, file=sys.stderr, flush=True)
+  sys.stderr.flush()
+  # Other threads (orbax's, tensorstore's) may still print: their output
+  # goes nowhere from here on, so the message stays the last line.
+  stderr = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.dup2(devnull, 1)
+  # (after a newline: a thread may have left a line unfinished)
+  os.write(stderr, ("\n" + message + "\n").encode())
   os._exit(code)  # pylint: disable=protected-access
 
 

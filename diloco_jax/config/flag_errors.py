@@ -70,7 +70,7 @@ def describe(error: BaseException, argv: list[str]) -> str:
   unknown = unknown_field(argv)
   if unknown:
     return unknown
-  for value in _flag_values(argv, "config"):
+  for value in _flag_values(argv, "config")[-1:]:  # the last one counts
     path = value.split(":", 1)[0]
     if not os.path.isfile(path):
       return f"--config={value}: no such file"

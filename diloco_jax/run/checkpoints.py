@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -155,12 +156,20 @@ class Checkpointer:
         raise  # not a storage failure: a bug to see whole
       raise files.storage_error("checkpoints in", self.directory, e) from e
 
-  def abandon(self) -> None:
+  def abandon(self, wait_s: float = 5.0) -> None:
     """After a StorageError: removes the temporary directories of saves
     that did not finish (orbax would on the next start; a full disk is
-    better freed now). Finalized checkpoints are untouched."""
+    better freed now). Finalized checkpoints are untouched.
+
+    The failed save's threads get `wait_s` to give up first (else they
+    would write again into what was removed); a thread stuck longer is
+    abandoned, never waited for.
+    """
     if self._read_only or jax.process_index() != 0:
       return
+    waiter = threading.Thread(target=self._wait_quietly, daemon=True)
+    waiter.start()
+    waiter.join(wait_s)
     for path in glob.glob(os.path.join(glob.escape(self.directory),
                                        "*.orbax-checkpoint-tmp*")):
       shutil.rmtree(path, ignore_errors=True)
@@ -271,6 +280,12 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("checkpoints set aside")
     self._manager.reload()
+
+  def _wait_quietly(self) -> None:
+    try:
+      self._manager.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the failure was reported already
 
   def wait(self) -> None:
     """Blocks until the last save is on disk (StorageError if it failed)."""

@@ -36,7 +36,9 @@ from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import outer_devices as outer_devices_lib
+from diloco_jax.run import background
 from diloco_jax.run import checkpoints as checkpoints_lib
+from diloco_jax.run import files
 from diloco_jax.run import loop as loop_lib
 from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import records
@@ -145,18 +147,28 @@ def _pretrain(config, workdir: str, devices, launch_time: float):
   return warm_start.Source(pretrain_dir), time.time()
 
 
-def _close_after_error(checkpointer, writer) -> None:
+def _close_after_error(checkpointer, writer, error: BaseException) -> None:
   """Waits for the checkpoint in flight so an error loses nothing saved.
 
   A failure of that save is logged, not raised: the error being handled is
-  the one to report.
+  the one to report. After a failed write (files.StorageError) nothing
+  more is waited for or written: the partial save is removed where it can
+  be (orbax removes what is left when the run starts again).
   """
-  try:
-    checkpointer.close()
-  except Exception as e:  # pylint: disable=broad-except
-    logging.error("the checkpoint being saved could not be finished: %s", e)
+  if isinstance(error, files.StorageError):
+    checkpointer.abandon()
+  else:
+    try:
+      checkpointer.close()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error("the checkpoint being saved could not be finished: %s",
+                    e)
+      checkpointer.abandon()
   if writer is not None:
-    writer.close()
+    try:
+      writer.close()
+    except files.StorageError as e:
+      logging.error("%s", e)
 
 
 def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
@@ -173,8 +185,11 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
   writer = None
   try:
     # A warm start is read (and refused) before anything compiles.
-    start = (_resume(setup, checkpointer)
-             or start_lib.first_start(setup, source))
+    # The state loads (or initializes: a compile) in a thread, so a stop
+    # signal meanwhile is answered at once.
+    start = _until_stopped(background.submit(
+        "start", lambda: (_resume(setup, checkpointer)
+                          or start_lib.first_start(setup, source))), signals)
     if checkpointer.started_over_from:
       start.progress.started_over.append({
           str(step): why
@@ -195,13 +210,13 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
                                        setup.islands, start_step=start.step)
     loop = loop_lib.TrainingLoop(setup, start, checkpointer, writer, signals,
                                  source, launch_time)
-    programs = _compiled(compiling, signals, start)
+    programs = _until_stopped(compiling, signals)
     _log_plan(setup, loop, programs, launch_time)
     finished = loop.run(programs)
     checkpointer.close()
     writer.close()
-  except BaseException:
-    _close_after_error(checkpointer, writer)
+  except BaseException as error:
+    _close_after_error(checkpointer, writer, error)
     raise
   summary = _summary(setup, start, finished, programs.compile_s,
                      time.perf_counter() - wall_start, workdir)
@@ -213,17 +228,18 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
   return summary
 
 
-def _compiled(compiling, signals: stops.StopSignals, start: start_lib.Start):
-  """The compiled programs, once `compiling` ends; a stop signal meanwhile
-  ends a one-process run at once: no step has been taken, so there is
-  nothing to save, and the compile is abandoned. (The processes of a
-  multi-process run agree on a stop at their next step.)"""
+def _until_stopped(future: concurrent.futures.Future,
+                   signals: stops.StopSignals):
+  """`future`'s result once it is done; a stop signal meanwhile ends a
+  one-process run at once, abandoning the work (loading the state or
+  compiling, before the first step: there is nothing new to save). The
+  processes of a multi-process run agree on a stop at their next step."""
   while True:
     try:
-      return compiling.result(timeout=0.1)
+      return future.result(timeout=0.1)
     except concurrent.futures.TimeoutError:
       if signals.requested and jax.process_count() == 1:
-        raise stops.StopRequested(signals.signal_name, start.step,
+        raise stops.StopRequested(signals.signal_name, 0,
                                   saved=False) from None
 
 

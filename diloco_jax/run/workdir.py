@@ -46,8 +46,13 @@ class WorkdirLock:
       if _same_file(self._fd, self.path):
         break
       os.close(self._fd)
-    os.ftruncate(self._fd, 0)
-    os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+      os.ftruncate(self._fd, 0)
+      os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:  # a full disk
+      self.release()
+      raise WorkdirError(f"--workdir={workdir}: cannot write {self.path}: "
+                         f"{e.strerror}") from None
 
   def _lock(self, workdir: str) -> int:
     try:
