@@ -12,7 +12,6 @@ _LAUNCH_TIME = time.time()  # first thing: startup_s counts from here
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
-import sys
 
 from absl import app
 from absl import flags
@@ -115,26 +114,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return remaining
 
 
-def _exit(code: int, message: str) -> None:
+def _exit(code: int, message: str, failed: bool = True) -> None:
   """Prints `message` last and ends the process now.
 
   After the run has released its workdir and waited for what it could
   save, nothing is left to do; a library's thread still waiting (orbax's
   after a failed write, a compile abandoned by a signal) must not keep
-  the process alive.
+  the process alive. The other processes of a multi-process run learn
+  why (`failed`) or that this one stops with them.
   """
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  # Other threads (orbax's, tensorstore's) may still print: their output
-  # goes nowhere from here on, so the message stays the last line.
-  stderr = os.dup(2)
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, 2)
-  os.dup2(devnull, 1)
-  # (after a newline: a thread may have left a line unfinished)
-  os.write(stderr, ("\n" + message + "\n").encode())
-  os._exit(code)  # pylint: disable=protected-access
+  # pylint: disable-next=g-import-not-at-top
+  from diloco_jax.parallel import multihost
+  multihost.leave(message if failed else None)
+  multihost.exit_now(code, message)
 
 
 def main(argv):
@@ -158,7 +150,7 @@ def main(argv):
                              launch_time=_LAUNCH_TIME)
   except stops.StopRequested as e:
     logging.warning("%s", e)
-    _exit(e.exit_code, str(e))
+    _exit(e.exit_code, str(e), failed=False)
   except KeyboardInterrupt:
     # A second Ctrl-C: the run was interrupted mid-step; any checkpoint
     # being saved was finished first.

@@ -22,6 +22,7 @@ import pytest
 from diloco_jax import launch
 from diloco_jax.data import sources
 from diloco_jax.parallel import multihost
+from diloco_jax.run import workdir as workdir_lib
 from tests import helpers
 from tests import test_checkpoint
 
@@ -289,6 +290,39 @@ def test_processes_started_by_hand_with_flags(two_processes_c4, c4_dir,
     _, errors = process.communicate(timeout=300)
     assert process.returncode == 0, errors[-3000:]
   test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
+
+
+def test_a_worker_killed_without_the_launcher_is_named_in_one_line(tmp_path):
+  # Started by hand (no launcher to watch the processes): the survivor
+  # names the process that died, in its last line, before JAX's
+  # coordination service would abort it with a crash dump (heartbeat
+  # timeout 30 s).
+  workdir = str(tmp_path / "run")
+  port = launch.free_port()
+  env = {key: value for key, value in ENV.items()
+         if not key.startswith("JAX_") or key.startswith("JAX_COMPILATION")
+         or key.startswith("JAX_PERSISTENT")}
+  processes = [subprocess.Popen(
+      [sys.executable, "-m", "diloco_jax.main", "--config=configs/tiny.py",
+       f"--workdir={workdir}", "--config.total_steps=4000",
+       f"--coordinator_address=localhost:{port}", "--num_processes=2",
+       f"--process_id={index}", "--heartbeat_timeout_s=30"], cwd=REPO,
+      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for index in (0, 1)]
+  try:
+    _wait_for_step(workdir, processes[0], 6)
+    killed_at = time.monotonic()
+    processes[1].kill()
+    _, errors = processes[0].communicate(timeout=60)
+  finally:
+    for process in processes:
+      process.kill()
+  assert time.monotonic() - killed_at < 25  # before JAX's own abort
+  assert processes[0].returncode == 1, errors[-3000:]
+  assert errors.strip().splitlines()[-1].startswith(
+      "error: process 1 of 2 stopped responding (no heartbeat for 10 s")
+  assert "Traceback" not in errors and "Fatal Python error" not in errors
+  workdir_lib.claim(workdir).release()  # the lock went with the process
 
 
 def test_an_island_spread_over_two_processes(tmp_path):

@@ -9,6 +9,7 @@
                    parsed once (islands, codec, schedule, participation,
                    data settings), and the builders of those.
   changes.py       which changes of a config a resume allows.
+  flag_errors.py   one line for a --config flag that does not parse.
 
 May import codecs/, parallel/, algorithm/, model/ and data/. Nothing below
 reads the config: the run layer hands typed values down.

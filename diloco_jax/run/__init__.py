@@ -17,8 +17,9 @@
   resume.py       restoring this run's checkpoint, checked against the
                   config; checkpoints.py and integrity.py write and verify
                   them with orbax.
-  workdir.py, stops.py, metrics.py, records.py, progress.py, placing.py:
-                  the workdir lock, stop signals, the metrics writers,
+  workdir.py, files.py, stops.py, metrics.py, records.py, progress.py,
+  placing.py:     the workdir lock, writes that never follow symlinks,
+                  stop signals, the metrics writers,
                   the step records and summary, the run's counters, and
                   host arrays onto the mesh.
 
