@@ -121,7 +121,9 @@ def test_a_read_only_checkpoint_directory_stops_the_run_in_one_line(
       workdir_lib.claim(workdir)
   finally:
     process.kill()
-    subprocess.run(["umount", checkpoints], check=False)
+    process.wait()
+    # Lazily: a file still open must not keep the mount behind the test.
+    subprocess.run(["umount", "-l", checkpoints], check=False)
   workdir_lib.claim(workdir).release()  # the lock was released
   # The last good checkpoint is where the rerun goes on from (a save cut
   # short on the read-only disk could not be removed: orbax removes it).
