@@ -124,9 +124,9 @@ def _exit(code: int, message: str, failed: bool = True) -> None:
   why (`failed`) or that this one stops with them.
   """
   # pylint: disable-next=g-import-not-at-top
-  from diloco_jax.parallel import multihost
-  multihost.leave(message if failed else None)
-  multihost.exit_now(code, message)
+  from diloco_jax.parallel import peer_watch
+  peer_watch.leave(message if failed else None)
+  peer_watch.exit_now(code, message)
 
 
 def main(argv):

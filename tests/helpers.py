@@ -1,7 +1,8 @@
-"""Small shared builders for the algorithm tests."""
+"""Small shared builders for the tests."""
 
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +162,15 @@ def check_islands_leave_the_outer_step_at_x(codec, atol: float,
   exact = jax.tree.map(lambda a: a.mean(axis=0), y)
   assert_trees_close(x, exact, rtol=0, atol=atol)
   return hlo
+
+
+def wait_for(predicate, process, timeout=240):
+  """Polls `predicate` until it holds; AssertionError (with the process's
+  stderr tail) if `process` ends or `timeout` passes first."""
+  deadline = time.time() + timeout
+  while time.time() < deadline and process.poll() is None:
+    if predicate():
+      return
+    time.sleep(0.01)
+  raise AssertionError("the run ended or timed out first: "
+                       + process.communicate()[1][-2000:])

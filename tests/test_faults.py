@@ -50,16 +50,6 @@ def _steps(workdir):
   return sorted(int(name) for name in os.listdir(path) if name.isdigit())
 
 
-def _wait_until(predicate, process, timeout=240):
-  deadline = time.time() + timeout
-  while time.time() < deadline and process.poll() is None:
-    if predicate():
-      return
-    time.sleep(0.01)
-  raise AssertionError("the run ended or timed out first: "
-                       + process.communicate()[1][-2000:])
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
   """A finished 8-step run (checkpoints at steps 4 and 8)."""
@@ -106,7 +96,8 @@ def test_a_read_only_checkpoint_directory_stops_the_run_in_one_line(
   checkpoints = os.path.join(workdir, "checkpoints")
   process = _main(workdir, "--config.total_steps=60",
                   "--config.checkpoint.every_steps=1")
-  _wait_until(lambda: os.path.isdir(checkpoints) and _steps(workdir), process)
+  helpers.wait_for(lambda: os.path.isdir(checkpoints) and _steps(workdir),
+                   process)
   _mount("--bind", checkpoints, checkpoints)
   try:
     _mount("-o", "remount,ro,bind", checkpoints)
@@ -145,8 +136,9 @@ def test_a_full_disk_stops_the_run_in_one_line_and_frees_the_partial_save(
     process = _main(workdir, "--config.total_steps=200",
                     "--config.checkpoint.every_steps=1",
                     "--config.checkpoint.max_to_keep=2")
-    _wait_until(lambda: os.path.isdir(os.path.join(workdir, "checkpoints"))
-                and _steps(workdir), process)
+    helpers.wait_for(
+        lambda: os.path.isdir(os.path.join(workdir, "checkpoints"))
+        and _steps(workdir), process)
     try:  # fill the disk
       with open(os.path.join(disk, "filler"), "wb") as f:
         while True:
@@ -440,8 +432,8 @@ def test_sigterm_while_compiling_exits_within_seconds(tmp_path):
   process = _main(workdir, "--config.model.num_layers=12",
                   "--config.model.remat=true", env=env)
   lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
-  _wait_until(lambda: os.path.exists(lock) and open(lock).read().strip(),
-              process)
+  helpers.wait_for(
+      lambda: os.path.exists(lock) and open(lock).read().strip(), process)
   time.sleep(0.5)  # into the compile
   started = time.time()
   process.send_signal(signal.SIGTERM)

@@ -270,20 +270,24 @@ def test_two_processes_equal_one(one_process_c4, two_processes_c4):
       "summary.json", "tensorboard"]
 
 
+# Processes started by hand: no launcher's JAX_* variables (the shared
+# compilation cache stays).
+_BY_HAND_ENV = {key: value for key, value in ENV.items()
+                if not key.startswith("JAX_")
+                or key.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))}
+
+
 def test_processes_started_by_hand_with_flags(two_processes_c4, c4_dir,
                                               tmp_path):
   # BUILD.md's several-hosts command: each process given the coordinator,
   # the process count and its index as flags (no launcher, no environment).
   workdir = str(tmp_path / "flags")
   port = launch.free_port()
-  env = {key: value for key, value in ENV.items()
-         if not key.startswith("JAX_") or key.startswith("JAX_COMPILATION")
-         or key.startswith("JAX_PERSISTENT")}
   processes = [subprocess.Popen(
       [sys.executable, "-m", "diloco_jax.main",
        *_flags(workdir, *_C4_FLAGS, f"--config.data.path={c4_dir}"),
        f"--coordinator_address=localhost:{port}", "--num_processes=2",
-       f"--process_id={index}"], cwd=REPO, env=env,
+       f"--process_id={index}"], cwd=REPO, env=_BY_HAND_ENV,
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                for index in (0, 1)]
   for process in processes:
@@ -299,15 +303,13 @@ def test_a_worker_killed_without_the_launcher_is_named_in_one_line(tmp_path):
   # timeout 30 s).
   workdir = str(tmp_path / "run")
   port = launch.free_port()
-  env = {key: value for key, value in ENV.items()
-         if not key.startswith("JAX_") or key.startswith("JAX_COMPILATION")
-         or key.startswith("JAX_PERSISTENT")}
   processes = [subprocess.Popen(
       [sys.executable, "-m", "diloco_jax.main", "--config=configs/tiny.py",
        f"--workdir={workdir}", "--config.total_steps=4000",
        f"--coordinator_address=localhost:{port}", "--num_processes=2",
        f"--process_id={index}", "--heartbeat_timeout_s=30"], cwd=REPO,
-      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      env=_BY_HAND_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      text=True)
                for index in (0, 1)]
   try:
     _wait_for_step(workdir, processes[0], 6)

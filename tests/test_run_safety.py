@@ -263,16 +263,6 @@ def _main(workdir, *flags, **popen):
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
-def _wait_for(predicate, process, timeout=240):
-  deadline = time.time() + timeout
-  while time.time() < deadline and process.poll() is None:
-    if predicate():
-      return
-    time.sleep(0.01)
-  raise AssertionError("the run ended or timed out first: "
-                       + process.communicate()[1][-2000:])
-
-
 def _metric_lines(workdir):
   try:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -286,7 +276,8 @@ def test_a_second_run_into_a_running_workdir_stops_naming_the_holder(
   workdir = str(tmp_path / "shared")
   first = _main(workdir, "--config.total_steps=400")
   lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
-  _wait_for(lambda: os.path.exists(lock) and open(lock).read().strip(), first)
+  helpers.wait_for(
+      lambda: os.path.exists(lock) and open(lock).read().strip(), first)
   started = time.time()
   second = _main(workdir, "--config.total_steps=400")
   _, err = second.communicate(timeout=120)
@@ -342,7 +333,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_nonzero(
     uninterrupted_40, tmp_path, signum):
   workdir = str(tmp_path / "stopped")
   process = _main(workdir, "--config.total_steps=40")
-  _wait_for(lambda: _metric_lines(workdir) >= 6, process)
+  helpers.wait_for(lambda: _metric_lines(workdir) >= 6, process)
   process.send_signal(signum)
   _, err = process.communicate(timeout=120)
   name = signal.Signals(signum).name

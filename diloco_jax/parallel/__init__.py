@@ -12,6 +12,8 @@
                     arrays onto them without a collective.
   multihost.py      starting jax.distributed, and host values exchanged
                     between processes.
+  peer_watch.py     processes watching each other: one line naming a
+                    process that died; how a process ends.
 
 May import codecs/ only.
 """

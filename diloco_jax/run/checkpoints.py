@@ -246,7 +246,7 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         # Truncated or corrupted files surface as many error types (from
         # tensorstore, msgpack, json); any of them means "not this one".
-        unreadable[step] = f"{type(e).__name__}: {_first_line(e)}"
+        unreadable[step] = f"{type(e).__name__}: {files.first_line(e)}"
         logging.warning("checkpoint at step %d in %s is unreadable (%s); "
                         "falling back to the previous one", step,
                         self.directory, unreadable[step])
@@ -296,11 +296,6 @@ class Checkpointer:
     """Waits for the last save (StorageError if it failed) and closes."""
     self.wait()
     self._manager.close()
-
-
-def _first_line(error: BaseException) -> str:
-  lines = str(error).strip().splitlines()
-  return lines[0][:200] if lines else type(error).__name__
 
 
 class IncompatibleCheckpointError(ValueError):

@@ -59,13 +59,16 @@ def os_reason(error: BaseException) -> str | None:
   return None
 
 
+def first_line(error: BaseException) -> str:
+  """The first line of `error`'s message (its type when it has none)."""
+  lines = str(error).strip().splitlines()
+  return lines[0][:200] if lines else type(error).__name__
+
+
 def storage_error(what: str, path: str, error: BaseException) -> StorageError:
   """A StorageError saying `what` failed at `path`, and why."""
-  why = os_reason(error)
-  if why is None:
-    lines = str(error).strip().splitlines()
-    why = lines[0][:200] if lines else type(error).__name__
-  return StorageError(f"cannot write {what} {path}: {why}")
+  return StorageError(f"cannot write {what} {path}: "
+                      f"{os_reason(error) or first_line(error)}")
 
 
 def write_atomically(path: str, text: str) -> None:
