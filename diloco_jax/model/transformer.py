@@ -201,25 +201,37 @@ class TransformerLM(nnx.Module):
           rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    h = self.embed_tokens(tokens)
+    for block in self.blocks:
+      h = run_block(block, h, self.remat)
+    return self.logits(h)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """int32 tokens [B, L] -> the first block's input [B, L, d_model]."""
     if tokens.shape[-1] > self.max_sequence_length:
       raise ValueError(f"sequence length {tokens.shape[-1]} exceeds "
                        f"max_sequence_length {self.max_sequence_length}")
-    h = self.embed(tokens)
-    for block in self.blocks:
-      if self.remat:
-        # Keep only each block's input for the backward pass and recompute
-        # the rest: activation memory of one block instead of all of them,
-        # for about a third more compute. A pure function of the block's
-        # params, so it composes with any enclosing transformation.
-        structure, params = nnx.split(block)
-        h = jax.checkpoint(
-            lambda p, x, structure=structure: nnx.merge(structure, p)(x),
-            policy=jax.checkpoint_policies.nothing_saveable)(params, h)
-      else:
-        h = block(h)
+    return self.embed(tokens)
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """The last block's output [B, L, d_model] -> float32 logits [B, L, V]."""
     h = self.final_norm(h)
     logits = self.embed.attend(h) if self.tie_embeddings else self.head(h)
     return logits.astype(jnp.float32)
+
+
+def run_block(block: Block, h: jax.Array, remat: bool) -> jax.Array:
+  """One block on `h`; with `remat`, only its input is kept for the
+  backward pass and the rest is recomputed: activation memory of one block
+  instead of all of them, for about a third more compute. A pure function
+  of the block's params, so it composes with any enclosing transformation.
+  """
+  if not remat:
+    return block(h)
+  structure, params = nnx.split(block)
+  return jax.checkpoint(
+      lambda p, x: nnx.merge(structure, p)(x),
+      policy=jax.checkpoint_policies.nothing_saveable)(params, h)
 
 
 def graphdef(model_config: ml_collections.ConfigDict) -> nnx.GraphDef:
@@ -245,6 +257,42 @@ def fast_init_compile():
     yield
   finally:
     jax.config.update(name, previous)
+
+
+def without_layers(model_config: ml_collections.ConfigDict
+                   ) -> ml_collections.ConfigDict:
+  """The config of the same model with no blocks: its params are the
+  embedding, the final norm and the head (pipeline stages hold the blocks)."""
+  config = ml_collections.ConfigDict(model_config.to_dict())
+  config.num_layers = 0
+  return config
+
+
+def block_graphdef(model_config: ml_collections.ConfigDict) -> nnx.GraphDef:
+  """One block's structure, for `apply_block`."""
+  return nnx.split(nnx.eval_shape(
+      lambda: Block(model_config, rngs=nnx.Rngs(0))), nnx.Param)[0]
+
+
+def apply_block(block_def: nnx.GraphDef, block_params, h: jax.Array,
+                remat: bool = False) -> jax.Array:
+  """Pure forward pass of one block (params from params['blocks'][i])."""
+  return run_block(nnx.merge(block_def, block_params), h, remat)
+
+
+def embed_tokens(ends_def: nnx.GraphDef, ends_params,
+                 tokens: jax.Array) -> jax.Array:
+  """The embedding look-up; `ends_def` is graphdef(without_layers(...)) and
+  `ends_params` the params outside params['blocks']."""
+  return nnx.merge(ends_def, ends_params).embed_tokens(tokens)
+
+
+def token_losses(ends_def: nnx.GraphDef, ends_params, h: jax.Array,
+                 targets: jax.Array) -> jax.Array:
+  """Cross-entropy (nats) of every position: the final norm and head on the
+  last block's output `h` [B, L, d], against int32 `targets` [B, L]."""
+  logits = nnx.merge(ends_def, ends_params).logits(h)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
 def new_params(model_config: ml_collections.ConfigDict,
