@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from diloco_jax.algorithm import matrix_codecs
@@ -207,9 +208,11 @@ def mean_bytes(tree, num_islands: int, compression: Compression,
 
 
 def rank_indices(codec_state) -> list[int] | None:
-  """The per-matrix ladder indices in a low-rank codec state (host ints)."""
+  """The per-matrix ladder indices in a low-rank codec state (host ints);
+  of a pipelined island's state (one per stage), stage by stage."""
   if not codec_state:
     return None
   # Only the indices cross to the host, not the bases beside them.
-  return [int(index) for index in multihost.fetch(
-      [s["rank_index"] for s in codec_state])]
+  indices = np.asarray(multihost.fetch(
+      [s["rank_index"] for s in codec_state]))  # [matrices] or [.., stages]
+  return [int(index) for index in indices.T.reshape(-1)]

@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import communication
 from diloco_jax.parallel import placement
-from diloco_jax.parallel.mesh import DATA
+from diloco_jax.parallel.mesh import DATA, STAGE
 from diloco_jax.parallel.placement import PER_ISLAND
+from diloco_jax.parallel.stages import per_stage
 
 LossFn = Callable[[Any, jax.Array], jax.Array]  # (params, sequences) -> loss
 
@@ -76,13 +77,21 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
   boundary, every step. With `fsdp`, params, gradients and optimizer
   states stay split over the island's 'data' devices.
 
+  On a mesh with 'stage' > 1 the state is staged (state.stage_state):
+  `loss_fn` is the pipelined loss of staged params (parallel/pipeline.py),
+  and each stage's optimizer steps its own layers (`inner_opt` built with
+  the stage axis, so its clipping norm spans the stages).
+
   Returns:
     step(state, batch) -> (state, metrics) with metrics['loss'] of shape
     [islands]; `state` is donated.
   """
 
+  stages = mesh.shape[STAGE]
+
   def step(state: state_lib.TrainState, batch: jax.Array):
-    specs = state_lib.state_partition_specs(state, mesh.shape[DATA], fsdp)
+    specs = state_lib.state_partition_specs(state, mesh.shape[DATA], fsdp,
+                                            stages)
     param_specs = _without_island_axis(specs.island_params)
     opt_specs = _without_island_axis(specs.inner_opt_state)
 
@@ -93,7 +102,8 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
         grads = placement.constrain(grads, param_specs)
       if sync_gradients_across_islands:
         grads = communication.island_mean(grads, jnp.float32(1.0))
-      updates, opt_state = inner_opt.update(grads, opt_state, params)
+      updates, opt_state = per_stage(inner_opt.update, stages)(
+          grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       if fsdp:
         params = placement.constrain(params, param_specs)
@@ -104,8 +114,10 @@ def make_inner_step(loss_fn: LossFn, inner_opt: optax.GradientTransformation,
         island_update, mesh, in_specs=(PER_ISLAND,) * 3,
         out_specs=(PER_ISLAND,) * 4,
         # ddp's mean psums a weight that is the same on every island, which
-        # the varying-axes check rejects for folded (vmapped) islands.
-        check_vma=not sync_gradients_across_islands)
+        # the varying-axes check rejects for folded (vmapped) islands; the
+        # pipeline's hand-off is a shard_map over 'stage', which the check
+        # does not follow into.
+        check_vma=not sync_gradients_across_islands and stages == 1)
     params, opt_state, loss, grad_norm = update(
         state.island_params, state.inner_opt_state, batch)
     state = state.replace(step=state.step + 1, island_params=params,

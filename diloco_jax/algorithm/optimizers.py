@@ -53,8 +53,37 @@ def learning_rate_table(inner_config, total_steps: int) -> np.ndarray:
     return np.asarray(schedule(np.arange(total_steps)))
 
 
-def inner_optimizer(inner_config, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with warmup + cosine schedule, weight decay and global-norm clipping."""
+def clip_by_global_norm(max_norm: float, axis_name: str | None = None
+                        ) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm, over pieces of one gradient.
+
+  With `axis_name`, each member of that named axis (a pipeline stage)
+  holds a piece of the gradient, and the norm is the whole gradient's:
+  the squares are summed over the axis before the root. Its state is
+  optax's (empty), so checkpoints do not change.
+  """
+  if axis_name is None:
+    return optax.clip_by_global_norm(max_norm)
+
+  def update(updates, state, params=None):
+    del params
+    squares = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                  for x in jax.tree.leaves(updates))
+    norm = jnp.sqrt(jax.lax.psum(squares, axis_name))
+    keep = norm < max_norm
+    return jax.tree.map(
+        lambda t: jnp.where(keep, t, (t / norm.astype(t.dtype)) * max_norm),
+        updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def inner_optimizer(inner_config, total_steps: int,
+                    stage_axis: str | None = None
+                    ) -> optax.GradientTransformation:
+  """AdamW with warmup + cosine schedule, weight decay and global-norm
+  clipping. With `stage_axis` the optimizer runs once per pipeline stage
+  (on that stage's layers), and the clipping norm spans the stages."""
   adamw = optax.adamw(
       learning_rate=inner_learning_rate(inner_config, total_steps),
       b1=inner_config.b1,
@@ -65,7 +94,7 @@ def inner_optimizer(inner_config, total_steps: int) -> optax.GradientTransformat
   )
   if inner_config.grad_clip_norm > 0:
     return optax.chain(
-        optax.clip_by_global_norm(inner_config.grad_clip_norm), adamw)
+        clip_by_global_norm(inner_config.grad_clip_norm, stage_axis), adamw)
   return adamw
 
 

@@ -23,8 +23,10 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.state import TrainState
 from diloco_jax.parallel import communication
 from diloco_jax.parallel import placement
-from diloco_jax.parallel.mesh import DATA
+from diloco_jax.parallel import stages as stages_lib
+from diloco_jax.parallel.mesh import DATA, STAGE
 from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
+from diloco_jax.parallel.stages import per_stage
 
 
 def make_island_sync(mesh, compression=None,
@@ -50,8 +52,15 @@ def make_island_sync(mesh, compression=None,
   many rows the codec cuts each island's tree into (placement.stripe): the
   outer devices of outer_placement='host' hold whole islands and encode
   them as the islands' FSDP devices would.
+
+  On a mesh with 'stage' > 1 the trees are staged: each stage reduces its
+  own layers across the islands, through the codec (a collective per
+  stage, among the devices holding that stage in every island, with the
+  codec's state per stage); an island whose pseudo-gradient is not finite
+  on any stage is left out on all of them.
   """
   compression = compression_lib.as_compression(compression)
+  stages = mesh.shape[STAGE]
   if stripes is None:
     # With FSDP each of an island's 'data' devices sends its own shards.
     stripes = mesh.shape[DATA] if fsdp else 1
@@ -76,8 +85,16 @@ def make_island_sync(mesh, compression=None,
       key = jax.random.fold_in(
           jax.random.fold_in(jax.random.key(rounding_seed), round_index),
           communication.island_index())
-    mean, sent, codec_state = compression_lib.island_mean(
-        pseudo_grad, weight, compression, codec_state, key, stripes=stripes)
+
+    def stage_mean(tree, codec_state, key):
+      if key is not None and stages > 1:
+        key = jax.random.fold_in(key, stages_lib.stage_index())
+      return compression_lib.island_mean(tree, weight, compression,
+                                         codec_state, key, stripes=stripes)
+
+    mean, sent, codec_state = per_stage(stage_mean, stages,
+                                        in_axes=(0, 0, None))(
+                                            pseudo_grad, codec_state, key)
     if residuals is not None:
       # An island that took no part keeps the residual it had.
       residuals = jax.tree.map(
@@ -102,18 +119,24 @@ def keep_unless(changed, new, old):
 
 
 def outer_update(outer_opt, global_params, outer_opt_state, update,
-                 takes_effect):
+                 takes_effect, stages: int = 1):
   """(x, outer state) after the outer optimizer's step on `update`, or both
-  unchanged when `takes_effect` is False (momentum alone would move x)."""
-  updates, new_state = outer_opt.update(update, outer_opt_state,
-                                        global_params)
-  new_global = optax.apply_updates(global_params, updates)
+  unchanged when `takes_effect` is False (momentum alone would move x).
+  With `stages` > 1 (staged trees) each stage steps its own layers with
+  its own outer state."""
+  def step(x, opt_state, update):
+    updates, new_state = outer_opt.update(update, opt_state, x)
+    return optax.apply_updates(x, updates), new_state
+
+  new_global, new_state = per_stage(step, stages)(global_params,
+                                                  outer_opt_state, update)
   return (keep_unless(takes_effect, new_global, global_params),
           keep_unless(takes_effect, new_state, outer_opt_state))
 
 
 def receive(outer_opt: optax.GradientTransformation, sync, delayed: bool,
-            outer: TrainState, island_params, weights, reference):
+            outer: TrainState, island_params, weights, reference,
+            stages: int = 1):
   """A round's pseudo-gradients into the outer side's state (traceable).
 
   `outer` needs x and the outer fields only (not the islands'); `sync` is
@@ -143,18 +166,18 @@ def receive(outer_opt: optax.GradientTransformation, sync, delayed: bool,
   # The outer optimizer runs once per device on the replicated x, not once
   # per folded island.
   x, outer_state = outer_update(outer_opt, outer.global_params,
-                                outer.outer_opt_state, mean, anyone)
+                                outer.outer_opt_state, mean, anyone, stages)
   return (outer.replace(global_params=x, outer_opt_state=outer_state),
           included, finite)
 
 
 def apply_in_flight(outer_opt: optax.GradientTransformation,
-                    outer: TrainState) -> TrainState:
+                    outer: TrainState, stages: int = 1) -> TrainState:
   """One-step delay: x steps on the mean in flight, which is then spent
   (traceable; `outer` needs x and the outer fields only)."""
   x, outer_state = outer_update(outer_opt, outer.global_params,
                                 outer.outer_opt_state, outer.in_flight,
-                                outer.in_flight_valid)
+                                outer.in_flight_valid, stages)
   return outer.replace(
       global_params=x, outer_opt_state=outer_state,
       in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
@@ -162,22 +185,22 @@ def apply_in_flight(outer_opt: optax.GradientTransformation,
 
 
 def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
-               inner_opt: optax.GradientTransformation | None = None
-               ) -> TrainState:
+               inner_opt: optax.GradientTransformation | None = None,
+               stages: int = 1) -> TrainState:
   """`state` with x and every island set up for the next round (traceable).
 
   Every island starts from x; with anchors (the rebasing delay) an island
   in `keep` [islands] starts from x plus its progress (overlap.rebase).
   Given `inner_opt`, islands in `restart` [islands] also get a fresh inner
   optimizer state, counted from the current step so the learning rate
-  schedule goes on.
+  schedule goes on (one per stage of a staged state of `stages`).
   """
   inner_opt_state = state.inner_opt_state
   islands = state_lib.num_islands(state)
   if inner_opt is not None:
     inner_opt_state = state_lib.restart_inner_states(
         inner_opt, inner_opt_state, state_lib.stack_islands(x, islands),
-        state.step, restart)
+        state.step, restart, stages)
   if state.anchors is None:
     island_params, anchors = state_lib.stack_islands(x, islands), None
   else:
@@ -240,6 +263,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   """
   delayed = overlap_lib.is_delayed(overlap)
   rebased = overlap_lib.rebases(overlap)
+  stages = mesh.shape[STAGE]
   sync = make_island_sync(mesh, compression, rounding_seed, fsdp,
                           reference_per_island=rebased)
 
@@ -247,14 +271,15 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     # s_r (or the anchors), before a delayed mean moves x to x_r.
     reference = state.anchors if rebased else state.global_params
     if delayed:
-      state = apply_in_flight(outer_opt, state)
+      state = apply_in_flight(outer_opt, state, stages)
     state, included, finite = receive(outer_opt, sync, delayed, state,
-                                      state.island_params, weights, reference)
+                                      state.island_params, weights, reference,
+                                      stages)
     restart = ~finite
     if restart_dropped:
       restart = restart | (weights <= 0)
     state = next_round(state, state.global_params, restart, included,
-                       inner_opt)
+                       inner_opt, stages)
     # The state keeps its declared layout, so the compiled steps take it.
     return state_lib.constrain_state(state, mesh, fsdp)
 
@@ -272,8 +297,10 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   delay anew. `state` is donated.
   """
 
+  stages = mesh.shape[STAGE]
+
   def flush(state: TrainState) -> TrainState:
-    state = apply_in_flight(outer_opt, state)
+    state = apply_in_flight(outer_opt, state, stages)
     nobody = jnp.zeros((state_lib.num_islands(state),), jnp.bool_)
     state = next_round(state, state.global_params, nobody, nobody)
     return state_lib.constrain_state(state, mesh, fsdp)

@@ -7,6 +7,16 @@ device slots (k / slots islands folded on each, see parallel/mesh.py).
 Inside an island, arrays are replicated over its 'data' devices, or split
 over them with FSDP (placement.fsdp_spec). Checkpoints hold this pytree
 whole, so its fields are the checkpoint format.
+
+An island of S > 1 pipeline stages (parallel/stages.py) runs on the staged
+state: every params-shaped field (x, the outer state, the islands, their
+inner states, residuals, the update in flight, anchors) holds a stage axis
+of S, after the island axis where there is one ([k, S, ...]), split over
+'stage': each stage keeps its own layers' params and inner and outer
+optimizer states (DiLoCoX's dual optimizer). `stage_state` and
+`unstage_state` convert between that and the logical state checkpoints
+hold. The codec's state is per stage in both (its bases fit the stages'
+pieces of the params).
 """
 
 from typing import Any
@@ -21,7 +31,8 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.parallel import placement
-from diloco_jax.parallel.mesh import DATA, ISLAND
+from diloco_jax.parallel import stages as stages_lib
+from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
 
 BATCH_SPEC = P(ISLAND, DATA)  # batches are [islands, per-island batch, L+1]
 
@@ -81,14 +92,16 @@ def init_state(params, inner_opt: optax.GradientTransformation,
                outer_opt: optax.GradientTransformation,
                num_islands: int, error_feedback: bool = False,
                compression=None, seed: int = 0,
-               overlap: str = "none") -> TrainState:
+               overlap: str = "none",
+               layout: stages_lib.StageLayout | None = None) -> TrainState:
   """Every island starts from the same params with a fresh inner state.
 
   With `error_feedback` the state holds zero residuals; with a `compression`
   (as outer_step.make_outer_step takes it) that keeps state, its initial
-  codec state (seeded by `seed`); with a delayed `overlap`, an empty slot
-  for the update in flight, and with 'one_step_delay_rebase' every island's
-  anchor at `params`.
+  codec state (seeded by `seed`; per stage of `layout`, when given); with a
+  delayed `overlap`, an empty slot for the update in flight, and with
+  'one_step_delay_rebase' every island's anchor at `params`. The state is
+  logical (`stage_state` stages it).
   """
   island_params = stack_islands(params, num_islands)
   delayed = overlap_lib.is_delayed(overlap)
@@ -97,8 +110,7 @@ def init_state(params, inner_opt: optax.GradientTransformation,
       in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                               params) if delayed else None),
       in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
-      codec_state=compression_lib.init_codec_state(
-          params, compression_lib.as_compression(compression), seed),
+      codec_state=init_codec_state(params, compression, seed, layout),
       residuals=(_zero_residuals(params, num_islands) if error_feedback
                  else None),
       step=jnp.zeros((), jnp.int32),
@@ -110,16 +122,40 @@ def init_state(params, inner_opt: optax.GradientTransformation,
   )
 
 
+def init_codec_state(params, compression, seed: int,
+                     layout: stages_lib.StageLayout | None = None):
+  """The codec's initial state for logical `params`: one per stage of
+  `layout` (stacked [S, ...]), or one for the whole tree."""
+  compression = compression_lib.as_compression(compression)
+  if layout is None:
+    return compression_lib.init_codec_state(params, compression, seed)
+  return jax.vmap(lambda piece: compression_lib.init_codec_state(
+      piece, compression, seed))(layout.split_params(params))
+
+
 def state_partition_specs(state: TrainState, data_size: int = 1,
-                          fsdp: bool = False) -> TrainState:
+                          fsdp: bool = False, stages: int = 1,
+                          staged: bool = True) -> TrainState:
   """Where each part of the state lives on the (island, data, stage) mesh.
 
   With `fsdp`, params, optimizer states and residuals are split over the
   island's `data_size` devices by placement.fsdp_spec; the codec state
-  (small bases) is replicated.
+  (small bases) is replicated. With `stages` > 1: a `staged` state's stage
+  axis is split over 'stage' (each stage's values on its own devices); a
+  logical one (as checkpoints hold it) has every leaf split over 'stage'
+  where a dimension divides (placement.stage_split_spec), so no device
+  holds the whole model while converting between the two.
   """
-  shared = lambda tree: placement.tree_specs(tree, data_size, fsdp, False)
-  per_island = lambda tree: placement.tree_specs(tree, data_size, fsdp, True)
+  if stages == 1 or not staged:
+    rule = lambda shape: placement.stage_split_spec(shape, data_size, fsdp,
+                                                    stages)
+  else:
+    rule = lambda shape: P(STAGE, *placement.fsdp_spec(shape[1:], data_size,
+                                                       fsdp))
+  shared = lambda tree: jax.tree.map(lambda x: rule(tuple(x.shape)), tree)
+  per_island = lambda tree: jax.tree.map(
+      lambda x: P(ISLAND, *rule(tuple(x.shape[1:]))), tree)
+  per_stage = P(STAGE) if stages > 1 else P()
   return TrainState(
       step=P(), round=P(),
       global_params=shared(state.global_params),
@@ -127,17 +163,20 @@ def state_partition_specs(state: TrainState, data_size: int = 1,
       island_params=per_island(state.island_params),
       inner_opt_state=per_island(state.inner_opt_state),
       residuals=per_island(state.residuals),
-      codec_state=jax.tree.map(lambda _: P(), state.codec_state),
+      codec_state=jax.tree.map(lambda _: per_stage, state.codec_state),
       in_flight=shared(state.in_flight),
       in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
       anchors=per_island(state.anchors),
   )
 
 
-def state_shardings(state: TrainState, mesh, fsdp: bool = False) -> TrainState:
-  """NamedShardings for `state` on `mesh` (see state_partition_specs)."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                      state_partition_specs(state, mesh.shape[DATA], fsdp),
+def state_shardings(state: TrainState, mesh, fsdp: bool = False,
+                    staged: bool = True) -> TrainState:
+  """NamedShardings for `state` on `mesh` (see state_partition_specs; the
+  mesh's 'stage' axis says how many stages)."""
+  specs = state_partition_specs(state, mesh.shape[DATA], fsdp,
+                                mesh.shape[STAGE], staged)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                       is_leaf=lambda x: isinstance(x, P))
 
 
@@ -148,14 +187,49 @@ def constrain_state(state: TrainState, mesh, fsdp: bool = False
   return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
 
+_SHARED_PARAMS = ("global_params", "outer_opt_state", "in_flight")
+_PER_ISLAND_PARAMS = ("island_params", "inner_opt_state", "residuals",
+                      "anchors")
+
+
+def stage_state(state: TrainState, layout: stages_lib.StageLayout
+                ) -> TrainState:
+  """The staged state the compiled steps take, from a logical one
+  (traceable)."""
+  fields = {name: layout.split(getattr(state, name))
+            for name in _SHARED_PARAMS if getattr(state, name) is not None}
+  fields.update({name: jax.vmap(layout.split)(getattr(state, name))
+                 for name in _PER_ISLAND_PARAMS
+                 if getattr(state, name) is not None})
+  return state.replace(**fields)
+
+
+def unstage_state(state: TrainState, layout: stages_lib.StageLayout,
+                  logical: TrainState) -> TrainState:
+  """The logical state (as checkpoints hold it) from a staged one;
+  `logical`: the logical state's shapes (traceable)."""
+  fields = {name: layout.join(getattr(state, name), getattr(logical, name))
+            for name in _SHARED_PARAMS if getattr(state, name) is not None}
+  for name in _PER_ISLAND_PARAMS:
+    staged, shapes = getattr(state, name), getattr(logical, name)
+    if staged is not None:
+      # The logical shapes without their island axis.
+      one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:],
+                                                        a.dtype), shapes)
+      fields[name] = jax.vmap(lambda t, one=one: layout.join(t, one))(staged)
+  return state.replace(**fields)
+
+
 def restart_inner_states(inner_opt: optax.GradientTransformation,
                          inner_opt_state, island_params, step,
-                         restart: jax.Array):
+                         restart: jax.Array, stages: int = 1):
   """The islands' inner states, fresh for the islands in `restart`
-  [islands]: initialized at their params and counted from `step`, so the
-  learning rate schedule goes on where the run is."""
+  [islands]: initialized at their params (one state per stage of a staged
+  state of `stages`) and counted from `step`, so the learning rate
+  schedule goes on where the run is."""
   fresh = optimizers.with_step_counts(
-      jax.vmap(inner_opt.init)(island_params), step)
+      jax.vmap(stages_lib.per_stage(inner_opt.init, stages))(island_params),
+      step)
   return jax.tree.map(
       lambda f, old: jnp.where(
           restart.reshape((-1,) + (1,) * (old.ndim - 1)), f, old),

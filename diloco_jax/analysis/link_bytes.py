@@ -21,25 +21,37 @@ class LinkBytes:
   pseudo-gradients through the codec (at the round's low-rank ranks, or
   none for codecs without ranks), of every param or of one Streaming
   DiLoCo fragment; with FSDP each device of an island sends its own
-  shards' part.
+  shards' part. With pipeline stages each stage reduces its own layers
+  (and its piece of the other leaves) in a collective of its own: the
+  island sends the sum over its stages.
   """
 
-  def __init__(self, config, param_shapes, islands: int, compression):
+  def __init__(self, config, param_shapes, islands: int, compression,
+               layout=None):
+    """`param_shapes`: the logical params (abstract); `layout`: the
+    islands' stages.StageLayout, or None."""
     self._mode = config.mode
     self._islands = islands
     self._param_shapes = param_shapes
     self._compression = compression
     self._fragments = config.diloco.fragments
     self._stripes = config.mesh.data if config.mesh.fsdp else 1
-    self.ddp_step = communication.island_mean_bytes(
-        param_shapes, islands, stripes=self._stripes)
+    self._stages = 1 if layout is None else layout.stages
+    # What one stage reduces (the whole params for one stage).
+    self._stage_shapes = (param_shapes if layout is None
+                          else layout.stage_shapes(param_shapes))
+    self.ddp_step = self._stages * communication.island_mean_bytes(
+        self._stage_shapes, islands, stripes=self._stripes)
 
   @functools.lru_cache(maxsize=None)  # few rank patterns recur
   def sync(self, rank_indices: tuple[int, ...] | None,
            fragment: int | None = None) -> int:
-    """One sync through the codec: all params, or fragment `fragment`."""
+    """One sync through the codec: all params, or fragment `fragment`
+    (`rank_indices` as compression.rank_indices gives them)."""
     if self._mode != "diloco":
       return self.ddp_step
+    if self._stages > 1:
+      return self._stage_syncs(rank_indices)
     shapes = self._param_shapes
     if fragment is not None:
       assignment = fragments_lib.leaf_fragments(self._param_shapes,
@@ -53,6 +65,16 @@ class LinkBytes:
     return compression_lib.mean_bytes(shapes, self._islands,
                                       self._compression, rank_indices,
                                       self._stripes)
+
+  def _stage_syncs(self, rank_indices) -> int:
+    """Every stage's sync of its own params, at its own ranks."""
+    per_stage = (None if rank_indices is None
+                 else len(rank_indices) // self._stages)
+    return sum(compression_lib.mean_bytes(
+        self._stage_shapes, self._islands, self._compression,
+        None if rank_indices is None
+        else rank_indices[s * per_stage:(s + 1) * per_stage],
+        self._stripes) for s in range(self._stages))
 
   @functools.lru_cache(maxsize=None)
   def fp32_sync(self, fragment: int | None) -> int:

@@ -18,6 +18,7 @@ from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.codecs import lowrank
 from diloco_jax.data import settings as data_settings
+from diloco_jax.parallel import stages as stages_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,28 @@ def effective_islands(config) -> int:
 def devices_per_island(config) -> int:
   """data x stage: the devices one island needs (islands fold onto them)."""
   return config.mesh.data * config.mesh.stage
+
+
+def pipeline_microbatches(config) -> int:
+  """M, the microbatches an island's pipeline runs per inner step
+  (config.pipeline.microbatches, or 2 x mesh.stage when it is 0)."""
+  return config.pipeline.microbatches or 2 * config.mesh.stage
+
+
+def pipeline_repeats(config) -> int:
+  """R, the passes around the stages: config.pipeline.repeats for the
+  circular schedule, 1 for GPipe."""
+  return (config.pipeline.repeats if config.pipeline.schedule == "circular"
+          else 1)
+
+
+def stage_layout(config) -> stages_lib.StageLayout | None:
+  """The pipeline stages config.mesh.stage and config.pipeline ask for,
+  or None for islands of one stage."""
+  if config.mesh.stage == 1:
+    return None
+  return stages_lib.StageLayout(config.mesh.stage, pipeline_repeats(config),
+                                config.model.num_layers)
 
 
 def is_streaming(diloco_config) -> bool:

@@ -35,6 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
       "diloco": _diloco(),
       "inner_optimizer": _inner_optimizer(),
       "mesh": _mesh(),
+      "pipeline": _pipeline(),
       "model": _model(),
       "data": _data(),
       "eval": _eval(),
@@ -177,10 +178,29 @@ def _mesh() -> Section:
   """
   return Section({
       "data": 1,
+      # Pipeline stages per island (config.pipeline): stage s holds a block
+      # of consecutive layers and its optimizer states, inner and outer
+      # (DiLoCoX's dual optimizer), so per-device memory falls ~1/stage.
       "stage": 1,
       # Shard params, gradients and inner optimizer states over the island's
       # 'data' devices (FSDP) instead of replicating them.
       "fsdp": False,
+  })
+
+
+def _pipeline() -> Section:
+  """config.pipeline: how microbatches flow through an island's stages
+  (parallel/pipeline.py; used when config.mesh.stage > 1)."""
+  return Section({
+      # Microbatches per inner step (per gradient-accumulation part): a
+      # multiple of mesh.stage; 0: 2 x mesh.stage. More shrink the bubble
+      # (stage - 1) / (repeats x microbatches + stage - 1).
+      "microbatches": 0,
+      # 'gpipe': every forward, then every backward; 'circular': each
+      # stage holds `repeats` chunks of layers and a microbatch goes round
+      # the stages `repeats` times, dividing the bubble by about repeats.
+      "schedule": "gpipe",
+      "repeats": 1,  # circular: >= 2 (gpipe: 1)
   })
 
 

@@ -13,6 +13,7 @@ diloco_checks.py's.
 from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import diloco_checks
+from diloco_jax.config import pipeline_checks
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config.problems import ConfigError, Problems
@@ -84,6 +85,7 @@ def validate_config(config, num_devices: int) -> run_config.RunConfig:
   _check_model(config, problems)
   data = _check_data(config, problems)
   diloco_checks.check(config, problems)
+  pipeline_checks.check(config, problems)
   problems.raise_if_any()
   return run_config.build(config, data)
 
@@ -100,10 +102,6 @@ def _check_mesh(config, num_devices: int, problems: Problems) -> None:
       needed <= num_devices, "mesh.data",
       f"config.mesh.data x config.mesh.stage = {mesh.data} x {mesh.stage} = "
       f"{needed} devices per island, but only {num_devices} are available")
-  problems.require(
-      mesh.stage == 1, "mesh.stage",
-      f"config.mesh.stage={mesh.stage}: pipeline stages are not implemented "
-      "yet; use 1")
   if not problems.ok("mesh.data", "data.batch_size", "data.microbatches"):
     return
   # A batch that does not split over the devices is one problem, however

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax.parallel.mesh import DATA, FOLDED, ISLAND
+from diloco_jax.parallel.mesh import DATA, FOLDED, ISLAND, STAGE
 
 # Per-island arrays are stacked on a leading axis split over 'island'.
 PER_ISLAND = P(ISLAND)
@@ -92,21 +92,23 @@ def fsdp_spec(shape, data_size: int, fsdp: bool) -> P:
   return P(*([None] * axis + [DATA]))
 
 
-def tree_specs(tree, data_size: int, fsdp: bool,
-               per_island: bool) -> Any:
-  """Specs for a pytree of arrays (or shapes), following `fsdp_spec`.
-
-  With `per_island`, leaves carry a leading island axis that is split over
-  'island'; the rule applies to the rest of the shape.
-  """
-
-  def spec(leaf):
-    shape = tuple(leaf.shape)
-    if per_island:
-      return P(ISLAND, *fsdp_spec(shape[1:], data_size, fsdp))
-    return fsdp_spec(shape, data_size, fsdp)
-
-  return jax.tree.map(spec, tree)
+def stage_split_spec(shape, data_size: int, fsdp: bool, stages: int) -> P:
+  """`fsdp_spec`, and with `stages` > 1 the largest other dimension that
+  `stages` divides split over 'stage' too (replicated over the stages if
+  none): how a logical array of a pipelined island is held while it is
+  converted to or from the stages' layout, at 1 / S of its size per
+  device."""
+  spec = list(fsdp_spec(shape, data_size, fsdp))
+  if stages <= 1:
+    return P(*spec)
+  spec += [None] * (len(shape) - len(spec))
+  free = [i for i, dim in enumerate(shape)
+          if spec[i] is None and dim % stages == 0]
+  if free:
+    spec[max(free, key=lambda i: (shape[i], -i))] = STAGE
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
 
 
 def constrain(tree, shardings):

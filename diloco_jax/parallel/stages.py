@@ -57,6 +57,18 @@ def is_params(tree) -> bool:
   return isinstance(tree, Mapping) and LAYERS in tree
 
 
+def _raw(tree) -> Mapping:
+  """The plain nested dicts under a params-shaped tree: an nnx.State's
+  own (its inner levels are dicts, which it wraps only when indexed), or
+  the tree itself."""
+  return getattr(tree, "raw_mapping", tree)
+
+
+def _like(tree, mapping: dict):
+  """`mapping` as the top level of a tree of `tree`'s type."""
+  return type(tree)(mapping)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
   """How a model's params are laid out over S pipeline stages.
@@ -94,36 +106,42 @@ class StageLayout:
 
   def split_params(self, params):
     """A logical params-shaped tree in the staged layout ([S, ...] leaves)."""
-    layers = params[LAYERS]
+    raw = _raw(params)
+    layers = raw[LAYERS]
     staged_layers = {
         i: jax.tree.map(lambda *xs: jnp.stack(xs),
                         *[layers[self.stage_layers(s)[i]]
                           for s in range(self.stages)])
         for i in range(self.layers_per_stage)}
     rest = {name: jax.tree.map(self._cut, value)
-            for name, value in params.items() if name != LAYERS}
-    return type(params)({LAYERS: type(layers)(staged_layers), **rest})
+            for name, value in raw.items() if name != LAYERS}
+    return _like(params, {LAYERS: staged_layers, **rest})
 
   def join_params(self, staged, logical):
     """The logical tree back from split_params's; `logical` is any tree of
     the logical layout (e.g. abstract params), for the cut axes."""
-    layers = [None] * self.num_layers
-    for i, layer in staged[LAYERS].items():
+    layers = {}
+    for i, layer in _raw(staged)[LAYERS].items():
       for s in range(self.stages):
-        layers[self.stage_layers(s)[int(i)]] = jax.tree.map(
+        layers[self.stage_layers(s)[i]] = jax.tree.map(
             lambda x, s=s: x[s], layer)
-    rest = {name: jax.tree.map(self._uncut, staged[name], logical[name])
-            for name in staged if name != LAYERS}
-    layer_type = type(staged[LAYERS])
-    return type(staged)({LAYERS: layer_type(dict(enumerate(layers))),
-                         **rest})
+    ordered = {i: layers[i] for i in range(self.num_layers)}
+    return _like(staged, {LAYERS: ordered, **self.ends(staged, logical)})
 
-  def ends(self, staged, logical):
+  def ends(self, staged, logical) -> dict:
     """The non-layer leaves whole (e.g. the embedding) from the staged
     tree: gathered over 'stage' where the stages are split; the transpose
     sums every stage's gradient into its own piece."""
+    staged, logical = _raw(staged), _raw(logical)
     return {name: jax.tree.map(self._uncut, staged[name], logical[name])
             for name in staged if name != LAYERS}
+
+  def stage_shapes(self, logical):
+    """One stage's share of a logical params-shaped tree, abstract (every
+    stage's has these shapes)."""
+    staged = jax.eval_shape(self.split_params, logical)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), staged)
 
   def _cut(self, leaf):
     axis = split_axis(leaf.shape, self.stages)

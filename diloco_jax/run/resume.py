@@ -75,7 +75,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
       abstract_state.global_params)
   current_layout = checkpointing.state_layout_record(abstract_state)
   target_shardings = state_lib.state_shardings(abstract_state, mesh,
-                                               config.mesh.fsdp)
+                                               config.mesh.fsdp, staged=False)
 
   def restore(step, meta):
     path = f"{checkpointer.directory}/{step}"

@@ -23,6 +23,7 @@ from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import multihost
 from diloco_jax.parallel import outer_devices as outer_devices_lib
+from diloco_jax.parallel import pipeline
 from diloco_jax.parallel import placement
 from diloco_jax.run import host_outer as host_outer_lib
 from diloco_jax.run import programs as programs_lib
@@ -56,10 +57,15 @@ class RunSetup:
     batch_shape, eval_shape, weights_shape: abstract training batch, eval
       batch and outer-mean island weights, with their shardings.
     data: this process's batches and the eval set.
-    spec: the state's optimizers and codec.
-    abstract_state: the whole state's shapes.
-    state_shardings: where the whole state lives on `mesh`.
-    loss_fn: loss_fn(params, batch) of the model.
+    spec: the state's optimizers, codec and pipeline stages.
+    abstract_state: the whole state's shapes, as checkpoints hold it
+      (logical: one entry per layer, whatever the stages).
+    state_shardings: where that state lives on `mesh`.
+    steps_state: the state the compiled steps take (abstract, with its
+      shardings): with pipeline stages, staged (spec.staged), else the
+      same as abstract_state.
+    loss_fn: loss_fn(params, batch) of the model (pipelined over the
+      stages, of staged params, when there are stages).
     host_outer: the outer side with outer_placement='host', else None.
   """
   run_config: run_config_lib.RunConfig
@@ -71,6 +77,7 @@ class RunSetup:
   spec: state_spec_lib.StateSpec
   abstract_state: state_lib.TrainState
   state_shardings: Any
+  steps_state: state_lib.TrainState
   loss_fn: Any
   host_outer: host_outer_lib.OuterSide | None
 
@@ -95,14 +102,31 @@ class RunSetup:
                                   self.batch_shape.shape)
 
   def islands_side(self, state: state_lib.TrainState) -> state_lib.TrainState:
-    """The state the islands train (with 'host', the outer fields go to
-    the outer devices)."""
+    """The state the islands train, from the whole state (staged over the
+    pipeline stages; with 'host', the outer fields go to the outer
+    devices)."""
+    if self.spec.layout is not None:
+      state = self._to_stages(state)
     return state if self.host_outer is None else self.host_outer.load(state)
 
   def whole(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The whole state, as checkpoints hold it."""
-    return (state if self.host_outer is None
-            else self.host_outer.assemble(state))
+    if self.host_outer is not None:
+      state = self.host_outer.assemble(state)
+    if self.spec.layout is not None:
+      state = self._from_stages(state)
+    return state
+
+  @functools.cached_property
+  def _to_stages(self):
+    return jax.jit(self.spec.staged,
+                   out_shardings=jax.tree.map(lambda a: a.sharding,
+                                              self.steps_state))
+
+  @functools.cached_property
+  def _from_stages(self):
+    return jax.jit(lambda s: self.spec.logical(s, self.abstract_state),
+                   out_shardings=self.state_shardings)
 
   def evaluated(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The state to evaluate: with the outer side's current x."""
@@ -116,8 +140,8 @@ class RunSetup:
                                               self.state_shardings)
     compiling = programs_lib.compile_in_background(
         self.run_config, self.mesh, self.loss_fn, self.spec,
-        (whole_abstract if self.host_outer is None
-         else host_outer_lib.strip(whole_abstract)), self.batch_shape,
+        (self.steps_state if self.host_outer is None
+         else host_outer_lib.strip(self.steps_state)), self.batch_shape,
         self.eval_shape, self.weights_shape, whole_abstract,
         num_eval_batches=len(self.data.eval_set))
     if self.host_outer is not None:
@@ -134,6 +158,12 @@ class RunSetup:
             f"{mesh.devices.flat[0].platform} device(s)")
     if folded > 1:
       line += f", {folded} folded per slot"
+    layout = self.spec.layout
+    if layout is not None:
+      microbatches = run_config_lib.pipeline_microbatches(config)
+      line += (f", {layout.stages} pipeline stages ({config.pipeline.schedule}"
+               f", {microbatches} microbatches, {layout.repeats} pass(es), "
+               f"bubble {pipeline.bubble_fraction(layout.stages, microbatches, layout.repeats):.0%})")
     return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
 
 
@@ -149,17 +179,39 @@ def build(run_config: run_config_lib.RunConfig, devices,
       config.eval.batch_size)
   spec = state_spec_lib.for_run(run_config)
   abstract_state = spec.abstract(config.model)
+  steps_state = jax.eval_shape(spec.staged, abstract_state)
   return RunSetup(
       run_config=run_config, mesh=mesh, batch_shape=batch_shape,
       eval_shape=eval_shape, weights_shape=weights_shape,
       data=_read_data(run_config, batch_shape), spec=spec,
       abstract_state=abstract_state,
-      state_shardings=state_lib.state_shardings(abstract_state, mesh,
-                                                config.mesh.fsdp),
-      loss_fn=functools.partial(model_lib.next_token_loss,
-                                model_lib.graphdef(config.model)),
+      state_shardings=state_lib.state_shardings(
+          abstract_state, mesh, config.mesh.fsdp, staged=False),
+      steps_state=placement.with_shardings(
+          steps_state, state_lib.state_shardings(steps_state, mesh,
+                                                 config.mesh.fsdp)),
+      loss_fn=loss_function(config, mesh),
       host_outer=(None if outer_devices is None else _host_outer(
           run_config, spec, mesh, outer_devices)))
+
+
+def loss_function(config, mesh):
+  """The model's mean next-token loss, loss(params, sequences [B, L + 1]):
+  with config.mesh.stage > 1, of staged params, pipelined over the stages
+  as config.pipeline says."""
+  model = config.model
+  layout = run_config_lib.stage_layout(config)
+  if layout is None:
+    return functools.partial(model_lib.next_token_loss,
+                             model_lib.graphdef(model))
+  ends = model_lib.graphdef(model_lib.without_layers(model))
+  block = model_lib.block_graphdef(model)
+  return pipeline.make_loss(
+      layout, functools.partial(model_lib.embed_tokens, ends),
+      functools.partial(model_lib.apply_block, block),
+      functools.partial(model_lib.token_losses, ends),
+      model_lib.param_shapes(model),
+      run_config_lib.pipeline_microbatches(config), mesh, remat=model.remat)
 
 
 def _read_data(run_config: run_config_lib.RunConfig, batch_shape) -> Data:

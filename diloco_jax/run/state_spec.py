@@ -18,6 +18,8 @@ from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import stages as stages_lib
+from diloco_jax.parallel.mesh import STAGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class StateSpec:
       flight, and 'one_step_delay_rebase' the islands' anchors too.
     fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
       (the outer optimizer then keeps one state per fragment).
+    layout: the islands' pipeline stages (config.mesh.stage > 1), or None.
   """
   mode: str
   islands: int
@@ -46,21 +49,36 @@ class StateSpec:
   seed: int
   overlap: str = "none"
   fragments: int = 0
+  layout: stages_lib.StageLayout | None = None
 
   def init(self, params) -> state_lib.TrainState:
-    """The state with every island and x at `params` (traceable)."""
+    """The logical state with every island and x at `params` (traceable)."""
     state = state_lib.init_state(params, self.inner_opt, self.outer_opt,
                                  self.islands, self.error_feedback,
                                  self.compression, seed=self.seed,
-                                 overlap=self.overlap)
+                                 overlap=self.overlap, layout=self.layout)
     if self.fragments:
       state = state.replace(outer_opt_state=fragments_lib.init_outer_states(
           params, self.outer_opt, self.fragments))
     return state
 
   def abstract(self, model_config) -> state_lib.TrainState:
-    """The state's shapes and dtypes, computing nothing."""
+    """The logical state's shapes and dtypes, computing nothing."""
     return jax.eval_shape(self.init, model_lib.param_shapes(model_config))
+
+  def staged(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """The state the compiled steps take from a logical one: staged over
+    the pipeline stages, or `state` itself (traceable)."""
+    if self.layout is None:
+      return state
+    return state_lib.stage_state(state, self.layout)
+
+  def logical(self, state: state_lib.TrainState,
+              logical_shapes: state_lib.TrainState) -> state_lib.TrainState:
+    """The logical state checkpoints hold from the steps' one (traceable)."""
+    if self.layout is None:
+      return state
+    return state_lib.unstage_state(state, self.layout, logical_shapes)
 
 
 def for_config(config, islands: int | None = None,
@@ -76,19 +94,23 @@ def for_config(config, islands: int | None = None,
   mode, diloco = config.mode, config.diloco
   if compression is None and mode == "diloco":
     compression = run_config_lib.compression(diloco)
+  layout = run_config_lib.stage_layout(config)
   return StateSpec(
       mode=mode,
       islands=(run_config_lib.effective_islands(config) if islands is None
                else islands),
-      inner_opt=optimizers.inner_optimizer(config.inner_optimizer,
-                                           config.total_steps),
+      inner_opt=optimizers.inner_optimizer(
+          config.inner_optimizer, config.total_steps,
+          stage_axis=None if layout is None else STAGE),
       outer_opt=optimizers.outer_optimizer(diloco.outer_optimizer),
       compression=compression if mode == "diloco" else None,
       error_feedback=mode == "diloco" and diloco.error_feedback,
       seed=config.seed,
       overlap=diloco.overlap if mode == "diloco" else "none",
       fragments=(diloco.fragments if mode == "diloco"
-                 and run_config_lib.is_streaming(diloco) else 0))
+                 and run_config_lib.is_streaming(diloco) else 0),
+      layout=layout)
+
 
 
 def for_run(run_config: run_config_lib.RunConfig) -> StateSpec:

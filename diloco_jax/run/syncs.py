@@ -65,7 +65,7 @@ class Syncs:
     self._check_islands = jax.jit(guards.islands_finite)
     self.link_bytes = link_bytes.LinkBytes(
         config, setup.abstract_state.global_params, setup.islands,
-        setup.spec.compression)
+        setup.spec.compression, setup.spec.layout)
     self.mean_rank = None
 
   def sync_bytes(self, state) -> int:
