@@ -338,6 +338,19 @@ def test_an_island_spread_over_two_processes(tmp_path):
   _assert_close_runs(one, two)
 
 
+def test_an_island_s_pipeline_stages_spread_over_two_processes(tmp_path):
+  # One island of two pipeline stages, one on each process: the
+  # activations' hand-off, the tied embedding's gather and the gradient's
+  # clipping norm cross the processes.
+  extra = ("--config.diloco.islands=1", "--config.mesh.stage=2",
+           "--config.model.num_layers=2", "--config.data.batch_size=4",
+           "--config.total_steps=6")
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _one_process(one, *extra)
+  _run(2, two, *extra)
+  _assert_close_runs(one, two)
+
+
 @pytest.mark.parametrize("extra,message", [
     # One island on one device would leave process 1 with nothing to do.
     (("--config.mode=single",), "leaving process(es) [1] of 2 without any"),

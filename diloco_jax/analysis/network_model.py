@@ -16,6 +16,14 @@ inner step taking `step_time_s` of compute. It covers
                    once per H steps at offset p H / P, its result needed
                    `fragment_delay` (tau) steps after it is sent.
 
+An island may be a pipeline of S stages (DiLoCoX): each stage reduces its
+own share of the params in a collective of its own. Over one link shared
+by the island's stages their bytes add up (the model's sync_bytes is the
+sum); where each stage's devices have a link of their own (`stage_links`
+= S), the collectives run side by side, each with a stage's share.
+Stages synced on staggered schedules over a shared link are streaming
+with P = S fragments.
+
 Bytes are the project's own counts (compression.mean_bytes: a ring
 all-reduce sends 2(k-1)/k of the payload per island, the dense codecs run the
 same two phases with encoded chunks). A collective over k peers costs
@@ -78,6 +86,10 @@ class Workload:
       behind (the backward pass is about 2/3 of a step); 0: no overlap.
     apply_time_s: local compute of applying one round's outer update
       (split evenly over the fragments); counted as time not in inner steps.
+    stage_links: links an island's per-stage collectives run over side by
+      side: 1 when its pipeline stages share one link; S when each of its
+      S stages has a link of its own (each collective then carries
+      sync_bytes / S).
   """
   mode: str
   islands: int
@@ -89,6 +101,7 @@ class Workload:
   fragment_delay: int = 0
   ddp_hidden_fraction: float = 0.0
   apply_time_s: float = 0.0
+  stage_links: int = 1
 
   def __post_init__(self):
     require(self.mode in MODES, "mode", self.mode, f"is not one of {MODES}")
@@ -114,6 +127,13 @@ class Workload:
             self.ddp_hidden_fraction, "must be in [0, 1)")
     require(self.apply_time_s >= 0, "apply_time_s", self.apply_time_s,
             "must be >= 0")
+    require(is_int(self.stage_links) and self.stage_links >= 1,
+            "stage_links", self.stage_links, "must be an integer >= 1")
+    # Staggered fragments spread the bytes over one link's time; stages
+    # with links of their own have nothing to spread.
+    require(self.fragments == 1 or self.stage_links == 1, "stage_links",
+            self.stage_links, "must be 1 with fragments > 1 (stages synced "
+            "on staggered schedules share one link: fragments = stages)")
     if self.mode != "diloco":
       for name, default in (("overlap", "none"), ("fragments", 1),
                             ("fragment_delay", 0)):
@@ -127,6 +147,12 @@ class Workload:
     require(self.overlap == "none" or self.fragment_delay == 0,
             "fragment_delay", self.fragment_delay,
             "must be 0 with overlap='one_step_delay' (that is tau = H)")
+
+  @property
+  def collective_bytes(self) -> float:
+    """Bytes one collective carries on one link: a fragment's, and of
+    it a stage's where the stages have links of their own."""
+    return self.sync_bytes / (self.fragments * self.stage_links)
 
   @property
   def delay_steps(self) -> int:
@@ -199,11 +225,11 @@ def peak_bytes(workload: Workload) -> float:
 
   Streaming sends a round's bytes in P collectives of 1/P each, so its peak
   (and the bandwidth it takes to move one burst in a given window) is 1/P of
-  DiLoCo's.
+  DiLoCo's; stages with links of their own carry 1/S each.
   """
   if workload.mode == "single":
     return 0.0
-  return workload.sync_bytes / workload.fragments
+  return workload.collective_bytes
 
 
 def timing(workload: Workload, link: Link) -> RoundTiming:
@@ -226,11 +252,11 @@ def timing(workload: Workload, link: Link) -> RoundTiming:
     return RoundTiming(compute, 0.0, apply, compute + apply,
                        compute / (compute + apply), 0.0, 0.0, False)
   if workload.mode == "ddp":
-    c = allreduce_time(workload.sync_bytes, k, link)
+    c = allreduce_time(workload.collective_bytes, k, link)
     stall = h * max(0.0, c - workload.ddp_hidden_fraction * s)
     return _timing(compute, stall, 0.0, c, h * c, False)
   p, tau = workload.fragments, workload.delay_steps
-  c = allreduce_time(workload.sync_bytes / p, k, link)
+  c = allreduce_time(workload.collective_bytes, k, link)
   window = h // p  # the shortest gap between two fragments' sends
   apply = workload.apply_time_s
   if tau <= window or c <= window * s:
@@ -259,7 +285,7 @@ def end_of_run_s(workload: Workload, link: Link) -> float:
   if workload.mode != "diloco" or workload.islands <= 1 or tau == 0:
     return 0.0
   p = workload.fragments
-  c = allreduce_time(workload.sync_bytes / p, workload.islands, link)
+  c = allreduce_time(workload.collective_bytes, workload.islands, link)
   return p * min(c, tau * workload.step_time_s)
 
 

@@ -13,6 +13,7 @@ from diloco_jax.analysis.network_model import (Link, Workload,
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import stages as stages_lib
 
 
 def _params_tree(params):
@@ -26,13 +27,16 @@ def _params_tree(params):
 
 def bytes_per_sync(params, islands: int, codec="fp32", *,
                    compression_ratio: float | None = None,
-                   block_size: int = 256, stripes: int = 1) -> float:
+                   block_size: int = 256, stripes: int = 1,
+                   stages: int = 1) -> float:
   """Bytes one island sends to all-reduce the whole model once.
 
   Dense codecs count exactly what the training run counts
   (compression.mean_bytes): a float32 ring all-reduce sends 2(k-1)/k of the
   payload per island; the other dense codecs run the same two phases with
-  encoded chunks (values plus one float32 scale per block).
+  encoded chunks (values plus one float32 scale per block). An island of
+  pipeline stages sends each stage's share in a collective of its own: the
+  sum over its stages.
 
   Args:
     params: the parameter count, or a params tree (arrays or
@@ -47,13 +51,23 @@ def bytes_per_sync(params, islands: int, codec="fp32", *,
       refused for dense codecs, whose bytes are exact.
     block_size: values per scale of the blockwise dense codecs.
     stripes: FSDP devices per island (each sends its shards' part).
+    stages: S, pipeline stages per island (a params tree's layers split
+      into S equal blocks, its other leaves into S pieces; a count into S
+      equal shares).
 
   Returns:
     Bytes (0 for one island).
   """
   require(is_int(islands) and islands >= 1, "islands", islands,
           "must be an integer >= 1")
+  require(is_int(stages) and stages >= 1, "stages", stages,
+          "must be an integer >= 1")
   tree = _params_tree(params)
+  if stages > 1:
+    return stages * bytes_per_sync(
+        _stage_share(params, stages), islands, codec,
+        compression_ratio=compression_ratio, block_size=block_size,
+        stripes=stripes)
   if isinstance(codec, compression_lib.Compression):
     compression = codec
   elif codec is None:
@@ -85,18 +99,31 @@ def bytes_per_sync(params, islands: int, codec="fp32", *,
                                           stripes=stripes))
 
 
+def _stage_share(params, stages: int):
+  """One pipeline stage's share of `params` (a count or a tree)."""
+  if is_int(params):
+    require(params % stages == 0, "num_params", params,
+            f"must split into stages={stages} equal shares")
+    return params // stages
+  layers = sum(1 for key in params["blocks"])
+  return stages_lib.StageLayout(stages, 1, layers).stage_shapes(params)
+
+
 def ddp_workload(params, islands: int, step_time_s: float, *,
                  inner_steps: int = 1, codec="fp32",
-                 hidden_fraction: float = 0.0) -> Workload:
+                 hidden_fraction: float = 0.0, stages: int = 1,
+                 stage_links: int = 1) -> Workload:
   """DDP: every step all-reduces the gradients (float32 by default, as the
   runs count it), blocking unless `hidden_fraction` of a step hides it.
 
-  `inner_steps` only sets how many steps count as a round.
+  `inner_steps` only sets how many steps count as a round. `stages`,
+  `stage_links`: an island's pipeline stages and their links (Workload).
   """
   return Workload("ddp", islands, step_time_s,
-                  bytes_per_sync(params, islands, codec),
+                  bytes_per_sync(params, islands, codec, stages=stages),
                   inner_steps=inner_steps,
-                  ddp_hidden_fraction=hidden_fraction)
+                  ddp_hidden_fraction=hidden_fraction,
+                  stage_links=stage_links)
 
 
 def diloco_workload(params, islands: int, step_time_s: float,
@@ -104,8 +131,10 @@ def diloco_workload(params, islands: int, step_time_s: float,
                     compression_ratio: float | None = None,
                     overlap: str = "none", fragments: int = 1,
                     fragment_delay: int = 0, apply_time_s: float = 0.0,
-                    block_size: int = 256, stripes: int = 1) -> Workload:
-  """DiLoCo, with one-step-delay overlap or Streaming DiLoCo's fragments.
+                    block_size: int = 256, stripes: int = 1,
+                    stages: int = 1, stage_links: int = 1) -> Workload:
+  """DiLoCo, with one-step-delay overlap or Streaming DiLoCo's fragments,
+  on islands of `stages` pipeline stages with `stage_links` links.
 
   Args: as Workload's fields and bytes_per_sync's.
   """
@@ -113,9 +142,10 @@ def diloco_workload(params, islands: int, step_time_s: float,
       "diloco", islands, step_time_s,
       bytes_per_sync(params, islands, codec,
                      compression_ratio=compression_ratio,
-                     block_size=block_size, stripes=stripes),
+                     block_size=block_size, stripes=stripes, stages=stages),
       inner_steps=inner_steps, overlap=overlap, fragments=fragments,
-      fragment_delay=fragment_delay, apply_time_s=apply_time_s)
+      fragment_delay=fragment_delay, apply_time_s=apply_time_s,
+      stage_links=stage_links)
 
 
 def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
@@ -130,7 +160,9 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
   codec's settings, and config.diloco.{overlap, fragments, fragment_delay,
   outer_placement} with defaults ('none', 1, 0, 'device') where the config
   has no such field. With FSDP every device of an island sends its shards'
-  part, as the runs count.
+  part, as the runs count; with pipeline stages (config.mesh.stage) every
+  stage its own share, over the island's link or, with
+  config.network.link_per_stage, over a link per stage.
 
   The overlap is modeled only with outer_placement='host': a collective on
   the compute devices runs in their stream, between inner steps, so it
@@ -160,6 +192,9 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
   if config.mode == "single":
     return Workload("single", 1, step_time_s, 0.0,
                     inner_steps=d.inner_steps), link
+  stages = config.mesh.get("stage", 1)
+  stage_links = (stages if config.network.get("link_per_stage", False)
+                 else 1)
   if sync_bytes is None:
     if params is None:
       params = model_lib.param_shapes(config.model)
@@ -169,11 +204,12 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
              else "fp32")
     sync_bytes = bytes_per_sync(params, d.islands, codec,
                                 compression_ratio=compression_ratio,
-                                stripes=stripes)
+                                stripes=stripes, stages=stages)
   if config.mode == "ddp":
     return Workload("ddp", d.islands, step_time_s, sync_bytes,
                     inner_steps=d.inner_steps,
-                    ddp_hidden_fraction=ddp_hidden_fraction), link
+                    ddp_hidden_fraction=ddp_hidden_fraction,
+                    stage_links=stage_links), link
   overlaps = d.get("outer_placement", "device") == "host"
   # The rebasing delay sends and waits as the plain delay does.
   delayed = d.get("overlap", "none") != "none"
@@ -183,7 +219,7 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
       overlap="one_step_delay" if overlaps and delayed else "none",
       fragments=d.get("fragments", 1),
       fragment_delay=d.get("fragment_delay", 0) if overlaps else 0,
-      apply_time_s=apply_time_s), link
+      apply_time_s=apply_time_s, stage_links=stage_links), link
 
 
 def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,

@@ -11,7 +11,8 @@ change in place. Allowed changes are
 recorded in the checkpoints that follow and in summary.json.
 
 Fields that only say where or how the same computation runs (device
-placement, attention kernel, remat, microbatching) or how the run is kept
+placement and pipeline stages, attention kernel, remat, microbatching) or
+how the run is kept
 (checkpointing, logging, the non-finite policy) may change freely, as may
 the island count, which resume adapts to (elastic islands).
 """
@@ -21,10 +22,10 @@ the island count, which resume adapts to (elastic islands).
 # silently restart from the random initialization.
 NEVER_ALLOWED = ("mode",)
 
-FREE_FIELDS = ("mesh", "model.attention", "model.remat", "data.microbatches",
-               "checkpoint", "log_every_seconds", "nonfinite", "max_rollbacks",
-               "resume", "diloco.islands", "diloco.outer_placement",
-               "network", "eval.island_mean",
+FREE_FIELDS = ("mesh", "pipeline", "model.attention", "model.remat",
+               "data.microbatches", "checkpoint", "log_every_seconds",
+               "nonfinite", "max_rollbacks", "resume", "diloco.islands",
+               "diloco.outer_placement", "network", "eval.island_mean",
                "eval.every_rounds")
 
 

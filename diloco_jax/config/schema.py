@@ -292,7 +292,13 @@ def _network() -> Section:
   measured, and the bandwidth 90% and 95% utilization would need. Reporting
   only.
   """
-  return Section({"bandwidth_bits_per_s": 1e9, "latency_s": 0.01})
+  return Section({
+      "bandwidth_bits_per_s": 1e9, "latency_s": 0.01,
+      # Pipelined islands (mesh.stage > 1): each stage's devices have a
+      # link of the bandwidth above of their own (DiLoCoX's nodes), rather
+      # than the island's stages sharing one.
+      "link_per_stage": False,
+  })
 
 
 def _checkpoint() -> Section:

@@ -56,7 +56,8 @@ _RANGES = (
 )
 _FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
           "checkpoint.async_save", "diloco.stochastic_rounding",
-          "diloco.error_feedback", "resume.from_scratch_if_unreadable")
+          "diloco.error_feedback", "resume.from_scratch_if_unreadable",
+          "network.link_per_stage")
 
 
 def validate_config(config, num_devices: int) -> run_config.RunConfig:

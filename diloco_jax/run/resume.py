@@ -15,6 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import changes as config_changes
+from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.config import schema as config_schema
 from diloco_jax.parallel import placement
 from diloco_jax.run import checkpoints as checkpointing
 
@@ -55,9 +57,15 @@ def config_record(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
+def restore_latest(checkpointer, config, abstract_state, mesh, spec,
                    islands: int, compare_config: bool = True):
-  """Restores the newest readable checkpoint, adapting the island count.
+  """Restores the newest readable checkpoint, adapting the island count
+  and the pipeline stages (`spec`: this run's state_spec.StateSpec).
+
+  Checkpoints hold the logical state, whatever the stages, except the
+  codec's state, which is per stage: resumed with another
+  config.mesh.stage, a codec that keeps state (the low-rank bases and
+  ranks) starts it afresh.
 
   Returns:
     (step, meta, state), or None when there is no checkpoint (or none
@@ -73,7 +81,6 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
   """
   current_shapes = checkpointing.param_shapes_record(
       abstract_state.global_params)
-  current_layout = checkpointing.state_layout_record(abstract_state)
   target_shardings = state_lib.state_shardings(abstract_state, mesh,
                                                config.mesh.fsdp, staged=False)
 
@@ -88,41 +95,84 @@ def restore_latest(checkpointer, config, abstract_state, mesh, inner_opt,
       raise checkpointing.IncompatibleCheckpointError(
           f"{where} was written for another model: {mismatch} "
           "(config.model differs)")
-    mismatch = checkpointing.layout_mismatch(meta["state_layout"],
-                                             current_layout)
+    # The codec state as the checkpoint's stages shaped it.
+    saved_codec = _saved_codec_state(meta, abstract_state, spec)
+    expected = abstract_state.replace(codec_state=saved_codec)
+    mismatch = checkpointing.layout_mismatch(
+        meta["state_layout"], checkpointing.state_layout_record(expected))
     if mismatch:
       raise checkpointing.IncompatibleCheckpointError(
           f"{where} has another state layout: {mismatch} (config.diloco."
           "outer_optimizer, config.inner_optimizer, config.diloco.codec "
           "settings, config.diloco.error_feedback or config.diloco.overlap "
           "differ)")
-    saved_islands = meta["islands"]
-    checksums = meta.get(checkpointing.CHECKSUMS)
-    if saved_islands == islands:
-      return checkpointer.restore_state(
-          step, placement.with_shardings(abstract_state, target_shardings),
-          checksums)
-    # Read at the saved island count, replicated, then resize and reshard.
-    saved_abstract = jax.eval_shape(
-        lambda s: state_lib.resize_islands(s, saved_islands, inner_opt),
-        abstract_state)
-    replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
-                              saved_abstract)
-    saved = checkpointer.restore_state(
-        step, placement.with_shardings(saved_abstract, replicated), checksums)
-    logging.warning(
-        "resuming with %d islands from a checkpoint of %d: %s", islands,
-        saved_islands,
-        f"islands {islands}..{saved_islands - 1} are dropped with their "
-        "progress since the last outer step" if islands < saved_islands else
-        f"islands {saved_islands}..{islands - 1} start from the global params"
-        " with fresh inner optimizer state")
-    return jax.jit(lambda s: state_lib.resize_islands(s, islands, inner_opt),
-                   out_shardings=target_shardings)(saved)
+    if saved_codec is abstract_state.codec_state:
+      return _restore_islands(checkpointer, step, meta, abstract_state, mesh,
+                              spec.inner_opt, islands, target_shardings)
+    saved_shardings = target_shardings.replace(codec_state=jax.tree.map(
+        lambda _: NamedSharding(mesh, P()), saved_codec))
+    state = _restore_islands(checkpointer, step, meta, expected, mesh,
+                             spec.inner_opt, islands, saved_shardings)
+    return _with_fresh_codec_state(state, spec, target_shardings)
 
   return checkpointer.latest_readable(
       restore, start_over_if_unreadable=(
           config.resume.from_scratch_if_unreadable))
+
+
+def _saved_codec_state(meta: dict, abstract_state, spec):
+  """The codec state's shapes in the checkpoint: this run's, unless it
+  was written with other pipeline stages and the codec keeps state."""
+  saved_config = meta.get("config", {})
+  saved_stages = saved_config.get("mesh", {}).get("stage", 1)
+  stages = 1 if spec.layout is None else spec.layout.stages
+  if abstract_state.codec_state is None or saved_stages == stages:
+    return abstract_state.codec_state
+  saved_layout = run_config_lib.stage_layout(
+      config_schema.from_record(saved_config))
+  return jax.eval_shape(
+      lambda x: state_lib.init_codec_state(x, spec.compression, spec.seed,
+                                           saved_layout),
+      abstract_state.global_params)
+
+
+def _with_fresh_codec_state(state, spec, target_shardings):
+  """`state` with its codec state initialized for this run's stages (at
+  its x), logged."""
+  logging.warning("the codec's state (low-rank bases and ranks) is per "
+                  "pipeline stage: it starts afresh for this run's stages")
+  return jax.jit(lambda s: s.replace(codec_state=state_lib.init_codec_state(
+      s.global_params, spec.compression, spec.seed, spec.layout)),
+                 out_shardings=target_shardings)(state)
+
+
+def _restore_islands(checkpointer, step: int, meta: dict, abstract_state,
+                     mesh, inner_opt, islands: int, target_shardings):
+  """The checkpoint's state at this run's island count: read as it is,
+  or at its own island count and resized."""
+  saved_islands = meta["islands"]
+  checksums = meta.get(checkpointing.CHECKSUMS)
+  if saved_islands == islands:
+    return checkpointer.restore_state(
+        step, placement.with_shardings(abstract_state, target_shardings),
+        checksums)
+  # Read at the saved island count, replicated, then resize and reshard.
+  saved_abstract = jax.eval_shape(
+      lambda s: state_lib.resize_islands(s, saved_islands, inner_opt),
+      abstract_state)
+  replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()),
+                            saved_abstract)
+  saved = checkpointer.restore_state(
+      step, placement.with_shardings(saved_abstract, replicated), checksums)
+  logging.warning(
+      "resuming with %d islands from a checkpoint of %d: %s", islands,
+      saved_islands,
+      f"islands {islands}..{saved_islands - 1} are dropped with their "
+      "progress since the last outer step" if islands < saved_islands else
+      f"islands {saved_islands}..{islands - 1} start from the global params"
+      " with fresh inner optimizer state")
+  return jax.jit(lambda s: state_lib.resize_islands(s, islands, inner_opt),
+                 out_shardings=target_shardings)(saved)
 
 
 def restore_data_positions(batches, meta: dict, islands: int) -> None:

@@ -61,7 +61,7 @@ def restore(setup: setup_lib.RunSetup, checkpointer,
   resume.restore_latest for what it refuses)."""
   restored = resume.restore_latest(
       checkpointer, setup.config, setup.abstract_state, setup.mesh,
-      setup.spec.inner_opt, setup.islands, compare_config=compare_config)
+      setup.spec, setup.islands, compare_config=compare_config)
   if restored is None:
     return None
   step, meta, state = restored

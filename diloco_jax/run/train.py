@@ -200,10 +200,10 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
       checkpointer.close()
       with open(summary_path) as f:
         return json.load(f)
-    start.state = setup.islands_side(start.state)
     # The programs compile from shapes in the background while the state is
-    # initialized and the rest is set up.
+    # laid out for the islands and the rest is set up.
     compiling = setup.compile_in_background()
+    start.state = setup.islands_side(start.state)
     _prepare_workdir(setup, start, workdir)
     writer = metrics_lib.MetricsWriter(workdir, config.total_steps,
                                        config.log_every_seconds,

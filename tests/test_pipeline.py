@@ -1,0 +1,352 @@
+"""Pipeline-parallel islands (config.mesh.stage > 1) and the dual optimizer.
+
+An island of S stages computes what an island of one stage computes; only
+the order of float additions changes. The pipelined loss averages the same
+per-position losses per microbatch and per stage before the whole mean
+(one stage's: all at once), and the gradients' sums over positions and
+microbatches group the same terms otherwise, so losses and gradients agree
+to float32 reassociation (measured: at most 3.4e-7 apart, for values of
+order 1). AdamW divides by sqrt(nu), which turns such last-bit differences
+of small gradients into ~1e-6 differences of the params after a few steps
+(as FSDP's test measures for its own reassociation).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import tiny
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.analysis import link_bytes
+from diloco_jax.codecs import dense as codecs
+from diloco_jax.config import validation
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import pipeline
+from diloco_jax.parallel import placement
+from diloco_jax.parallel import stages as stages_lib
+from diloco_jax.parallel.mesh import STAGE
+from diloco_jax.run import setup as setup_lib
+from diloco_jax.run import state_spec
+from diloco_jax.run import train
+from tests import helpers
+from tests import test_checkpoint
+
+# Params after a few rounds: reassociation, grown by Adam (see above).
+PARAMS_RTOL, PARAMS_ATOL = 1e-4, 1e-5
+# Losses: the same mean in another order.
+LOSS_RTOL = 1e-5
+
+
+# The layout: logical <-> staged.
+
+
+def _model_config(num_layers=8, tie=True):
+  config = helpers.tiny_model_config()
+  config.num_layers = num_layers
+  config.tie_embeddings = tie
+  return config
+
+
+@pytest.mark.parametrize("stages,repeats", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_staging_is_data_movement_only(stages, repeats):
+  """Logical -> staged -> logical gives back every bit, for params and an
+  optimizer state's counts; each stage holds its chunks' layers."""
+  model = _model_config(num_layers=8, tie=False)
+  _, params = model_lib.init_params(model, 0)
+  layout = stages_lib.StageLayout(stages, repeats, 8)
+  tree = {"params": params, "count": jnp.int32(7)}
+  staged = layout.split(tree)
+  assert int(staged["count"].shape[0]) == stages
+  back = layout.join(staged, tree)
+  jax.tree.map(np.testing.assert_array_equal, back, tree)
+  chunk = 8 // (stages * repeats)
+  for stage in range(stages):
+    assert layout.stage_layers(stage) == [
+        (r * stages + stage) * chunk + i
+        for r in range(repeats) for i in range(chunk)]
+    first = layout.stage_layers(stage)[0]
+    np.testing.assert_array_equal(
+        staged["params"]["blocks"][0]["mlp"]["up"]["kernel"][stage],
+        params["blocks"][first]["mlp"]["up"]["kernel"])
+  # The embedding is cut into one piece per stage: one copy in all.
+  embedding = staged["params"]["embed"]["embedding"]
+  assert embedding.size == params["embed"]["embedding"].size
+  assert embedding.shape[0] == stages
+
+
+# The schedules: the same loss and gradients as one stage.
+
+
+def _plain_loss_and_grads(model, params, sequences):
+  loss_fn = functools.partial(model_lib.next_token_loss,
+                              model_lib.graphdef(model))
+  return jax.jit(jax.value_and_grad(loss_fn))(params, sequences)
+
+
+def _pipelined_loss_and_grads(model, params, sequences, stages, repeats,
+                              microbatches):
+  config = tiny.get_config()
+  config.model = model
+  config.mesh.stage = stages
+  config.pipeline.microbatches = microbatches
+  config.pipeline.schedule = "circular" if repeats > 1 else "gpipe"
+  config.pipeline.repeats = repeats
+  mesh = mesh_lib.build_mesh(1, 1, stages)
+  layout = stages_lib.StageLayout(stages, repeats, model.num_layers)
+  loss_fn = setup_lib.loss_function(config, mesh)
+  staged = jax.device_put(layout.split_params(params),
+                          NamedSharding(mesh, P(STAGE)))
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn))(staged, sequences)
+  return loss, layout.join_params(grads, params)
+
+
+@pytest.mark.parametrize("stages,repeats,microbatches,tie,remat", [
+    (2, 1, 2, True, False), (2, 1, 4, False, False), (2, 2, 2, True, False),
+    (4, 1, 4, False, False), (4, 2, 8, True, False), (4, 2, 4, False, True),
+], ids=["gpipe-S2-M2-tied", "gpipe-S2-M4", "circular-S2-R2-M2-tied",
+        "gpipe-S4-M4", "circular-S4-R2-M8-tied", "circular-S4-R2-M4-remat"])
+def test_every_schedule_gives_the_gradients_of_one_stage(
+    stages, repeats, microbatches, tie, remat):
+  """Tied embeddings stay tied: one copy, cut over the stages; the lookup
+  on the first stage and every stage's head add their gradients into it
+  (the transpose of gathering its pieces), as one stage's autodiff does."""
+  model = _model_config(num_layers=8, tie=tie)
+  model.remat = remat
+  _, params = model_lib.init_params(model, 0)
+  sequences = jnp.asarray(np.random.default_rng(0).integers(
+      0, model.vocab_size, (8, 9)), jnp.int32)
+  loss, grads = _plain_loss_and_grads(model, params, sequences)
+  staged_loss, staged_grads = _pipelined_loss_and_grads(
+      model, params, sequences, stages, repeats, microbatches)
+  assert float(staged_loss) == pytest.approx(float(loss), rel=LOSS_RTOL)
+  helpers.assert_trees_close(staged_grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_bubble_fraction_and_ticks():
+  assert pipeline.bubble_fraction(4, 12) == pytest.approx(3 / 15)
+  assert pipeline.bubble_fraction(4, 12, repeats=2) == pytest.approx(3 / 27)
+  assert pipeline.num_ticks(4, 8, 2) == 19
+
+
+def test_the_hand_off_is_one_ppermute_and_sends_only_neighbours():
+  """The stages' values move by a collective-permute: no all-gather of the
+  activations between stages."""
+  mesh = mesh_lib.build_mesh(1, 1, 4)
+  x = jax.device_put(jnp.arange(4.0 * 6).reshape(4, 6),
+                     NamedSharding(mesh, P(STAGE)))
+  hand_off = jax.jit(lambda v: stages_lib.hand_off(v, mesh))
+  np.testing.assert_array_equal(hand_off(x), np.roll(np.asarray(x), 1, 0))
+  hlo = hand_off.lower(x).compile().as_text()
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
+# Memory: each stage keeps its own layers and both optimizer states.
+
+
+def _per_device_state_bytes(stages: int) -> int:
+  config = tiny.get_config()
+  config.model.update(num_layers=8, d_model=64, num_heads=4, head_dim=16,
+                      mlp_dim=256)
+  config.mesh.stage = stages
+  spec = state_spec.for_config(config)
+  abstract = jax.eval_shape(spec.staged, spec.abstract(config.model))
+  mesh = mesh_lib.build_mesh(config.diloco.islands, 1, stages)
+  placed = placement.with_shardings(
+      abstract, state_lib.state_shardings(abstract, mesh))
+  return stages_lib.bytes_per_device(
+      [placed.global_params, placed.outer_opt_state, placed.island_params,
+       placed.inner_opt_state])
+
+
+def test_four_stages_hold_under_a_third_of_the_state_per_device():
+  """Params, inner and outer optimizer states per device, read from the
+  arrays' shardings: x and the outer state too are split over the stages
+  (DiLoCoX's dual optimizer), where one stage replicates x on every
+  device."""
+  one, four = _per_device_state_bytes(1), _per_device_state_bytes(4)
+  assert four <= 0.3 * one, (four, one)
+
+
+# Whole runs at S > 1 equal S = 1.
+
+
+def _config(stages: int, **overrides):
+  config = tiny.get_config()
+  config.model.num_layers = 4
+  config.data.batch_size = 8
+  config.mesh.stage = stages
+  return helpers.with_overrides(config, overrides)
+
+
+_RUNS = {
+    # DiLoCo with an island that diverges and syncs that are dropped (each
+    # stage must leave the same islands out), under the overlap that keeps
+    # each island's progress (an update in flight and anchors per stage).
+    "diloco": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
+               "diloco.overlap": "one_step_delay_rebase"},
+    "ddp": {"mode": "ddp"},
+    "single": {"mode": "single"},
+}
+_STAGED = {
+    "S2": {},
+    "S4": {"pipeline.microbatches": 4},
+    "S2-data2-fsdp": {"mesh.data": 2, "mesh.fsdp": True},
+    "S2-circular": {"pipeline.schedule": "circular", "pipeline.repeats": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Lazily run configs: runs(name, stages, staged_name) -> workdir."""
+  done = {}
+
+  def run(name, stages, staged=None):
+    key = (name, stages, staged)
+    if key not in done:
+      workdir = str(tmp_path_factory.mktemp("runs") / "_".join(
+          map(str, key)))
+      config = _config(stages, **_RUNS[name], **_STAGED.get(staged, {}))
+      done[key] = (workdir, train.train_and_evaluate(config, workdir))
+    return done[key]
+
+  return run
+
+
+@pytest.mark.parametrize("name,stages,staged", [
+    ("diloco", 2, "S2"), ("diloco", 4, "S4"), ("diloco", 2, "S2-data2-fsdp"),
+    ("diloco", 2, "S2-circular"), ("ddp", 2, "S2"), ("single", 2, "S2"),
+])
+def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
+  reference, reference_summary = runs(name, 1)
+  workdir, summary = runs(name, stages, staged)
+  helpers.assert_trees_close(test_checkpoint._final_state(workdir),
+                             test_checkpoint._final_state(reference),
+                             rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
+  for a, b in zip(test_checkpoint._metrics(workdir),
+                  test_checkpoint._metrics(reference)):
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=LOSS_RTOL)
+  assert summary["final_eval_loss"] == pytest.approx(
+      reference_summary["final_eval_loss"], rel=LOSS_RTOL)
+  if name == "diloco":
+    assert summary["rounds"] == reference_summary["rounds"]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_per_stage_collectives_count_what_one_stage_sends(stages):
+  """Each stage reduces its own layers across the islands; in float32
+  together they send the bytes of one stage's collective, plus each
+  stage's psum of the island weights (8 bytes a sync at k = 2). A dense
+  codec's chunks are padded per stage: within 2% on this tiny model."""
+  config = _config(stages, **{"diloco.codec": "int8"})
+  shapes = model_lib.param_shapes(config.model)
+  layout = state_spec.for_config(config).layout
+  count = lambda codec, layout: link_bytes.LinkBytes(
+      config, shapes, 2, compression_lib.as_compression(codec),
+      layout).sync(None)
+  fp32, int8 = None, codecs.DenseCodec("int8", 256)
+  assert count(fp32, layout) == count(fp32, None) + 8 * (stages - 1)
+  assert count(int8, layout) == pytest.approx(count(int8, None), rel=0.02)
+
+
+def test_a_run_counts_every_stage_s_bytes(runs):
+  """ddp all-reduces each stage's gradient every step: 8 bytes a step more
+  than one stage, for the second stage's weight psum."""
+  _, one = runs("ddp", 1)
+  _, two = runs("ddp", 2, "S2")
+  assert two["comm_bytes"] == one["comm_bytes"] + one["total_steps"] * 8
+
+
+def test_each_stage_reduces_only_among_the_devices_holding_it():
+  config = _config(2)
+  setup = setup_lib.build(validation.validate_config(config, 8),
+                          jax.devices())
+  outer = outer_step_lib.make_outer_step(setup.spec.outer_opt, setup.mesh,
+                                         inner_opt=setup.spec.inner_opt)
+  hlo = outer.lower(setup.steps_state, setup.weights_shape).compile(
+  ).as_text()
+  stage_of = {device.id: index[2] for index, device in
+              np.ndenumerate(setup.mesh.devices)}
+  groups_seen = 0
+  for line in hlo.splitlines():
+    if ("psum" not in line or " all-reduce(" not in line
+        or "f32[" not in line):
+      continue
+    groups = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}",
+                       line)
+    assert groups, line[-300:]
+    for group in re.findall(r"\{([\d,]+)\}", groups.group(1)):
+      members = [int(d) for d in group.split(",")]
+      assert len({stage_of[d] for d in members}) == 1, line[-300:]
+      assert len(members) == config.diloco.islands
+      groups_seen += 1
+  assert groups_seen
+
+
+def test_resume_with_another_stage_count_goes_on_as_the_run_would(
+    runs, tmp_path):
+  """Checkpoints hold the logical state: a run saved at S = 2 resumes at
+  S = 1 (with a mean in flight and the islands' anchors) and ends where
+  the S = 2 run ended (to reassociation)."""
+  whole, _ = runs("diloco", 2, "S2")
+  resumed = str(tmp_path / "resumed")
+  test_checkpoint.forget_after(whole, resumed, 4)
+  summary = train.train_and_evaluate(_config(1, **_RUNS["diloco"]), resumed)
+  assert summary["resumed_from_step"] == 4
+  helpers.assert_trees_close(test_checkpoint._final_state(resumed),
+                             test_checkpoint._final_state(whole),
+                             rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
+
+
+def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
+  """Adaptive low rank with error feedback on two stages: every stage
+  factors its own matrices (its bases and ranks in the checkpoint, stacked
+  by stage), the residuals are the params' shape, and it sends a fraction
+  of fp32's bytes."""
+  overrides = {"diloco.codec": "adaptive_lowrank",
+               "diloco.lowrank.min_rank": 2, "diloco.lowrank.max_rank": 8,
+               "diloco.error_feedback": True, "total_steps": 4}
+  workdir = str(tmp_path / "lowrank")
+  summary = train.train_and_evaluate(_config(2, **overrides), workdir)
+  state = test_checkpoint._final_state(workdir)
+  assert all(entry["basis"].shape[0] == 2 and entry["basis"].ndim == 3
+             for entry in state["codec_state"])
+  jax.tree.map(lambda r, y: r.shape == y.shape or pytest.fail("residuals"),
+               state["residuals"], state["island_params"])
+  assert np.isfinite(summary["final_eval_loss"])
+  assert summary["compression_vs_fp32"] > 4
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"model.num_layers": 3}, "does not split into config.mesh.stage"),
+    ({"model.d_model": 33}, "model.d_model=33 is not divisible"),
+    ({"pipeline.microbatches": 3}, "not a multiple of config.mesh.stage"),
+    ({"pipeline.repeats": 2}, "is the circular schedule's"),
+    ({"pipeline.schedule": "circular"}, "needs pipeline.repeats >= 2"),
+    ({"pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b' is not one"),
+    ({"data.batch_size": 6}, "not divisible by data.microbatches x pipeline"),
+    ({"diloco.outer_placement": "host"}, "outer_placement='host' gathers"),
+    ({"diloco.fragments": 2}, "Streaming DiLoCo) are not implemented"),
+    ({"mesh.stage": 1, "pipeline.repeats": 2},
+     "applies to islands of several pipeline stages"),
+])
+def test_what_stages_cannot_do_is_one_line_naming_both_settings(
+    overrides, message):
+  config = _config(2, **overrides)
+  with pytest.raises(validation.ConfigError, match=re.escape(message)) as e:
+    validation.validate_config(config, 8)
+  assert "\n" not in str(e.value)
+
+
+def test_the_example_config_runs_two_stages():
+  from configs import pipeline as pipeline_config  # pylint: disable=g-import-not-at-top
+  config = pipeline_config.get_config()
+  assert config.mesh.stage == 2
+  validation.validate_config(config, 8)
