@@ -133,7 +133,7 @@ def bubble_table() -> list[str]:
   return lines
 
 
-def _memory_row(stages: int) -> str:
+def _memory_row(stages: int) -> tuple[int, int, int]:
   config = config_schema.base_config()
   config.model.update(num_layers=8, d_model=256, num_heads=4, head_dim=64,
                       mlp_dim=1024, vocab_size=257, max_sequence_length=128)

@@ -60,49 +60,59 @@ def run_stages(stage_fn: Callable, chunks, inputs: jax.Array, stages: int,
     mesh: the mesh (or the enclosing shard_map's) the stages are on.
 
   Returns:
-    [M, ...] the last layer's outputs, on stage 0's devices.
+    [M, ...] the last layer's outputs.
   """
   microbatches = inputs.shape[0]
+  ticks = num_ticks(stages, microbatches, repeats)
   stage_ids = jnp.arange(stages)
+  # A microbatch back at stage 0 after a pass waits `wait` ticks for its
+  # next one (circular): it arrived M - S ticks before it is needed.
+  wait = microbatches - stages + 1
 
   def compute(chunk, rep, held):
     return stage_fn(jax.tree.map(
         lambda p: jax.lax.dynamic_index_in_dim(p, rep, keepdims=False),
         chunk), held)
 
-  def receive(stage, passed, results, t):
-    """One stage's state after tick t's hand-off. Stage 0 received the
-    last stage's output of microbatch t - (S - 1) (mod M): it waits in
-    `results` for its next pass, or is the result after its last."""
-    done = t - (stages - 1)
-    slot = jnp.mod(done, microbatches)
-    keep = (stage == 0) & (done >= 0)
-    results = jax.lax.dynamic_update_index_in_dim(
-        results, jnp.where(keep, passed, results[slot]), slot, 0)
-    following = t + 1
-    first_pass = following < microbatches
-    stage0_input = jnp.where(
-        first_pass, inputs[jnp.minimum(following, microbatches - 1)],
-        results[jnp.mod(following, microbatches)])
-    return jnp.where(stage == 0, stage0_input, passed), results
+  def receive(stage, passed, waiting, t, fresh):
+    """One stage's input for tick t + 1, after tick t's hand-off. Stage 0
+    received the last stage's output: it waits in `waiting` (a ring of
+    `wait` slots) for its next pass; stage 0 takes the next new
+    microbatch, `fresh`, in the first pass, else the one whose wait ends."""
+    if repeats > 1:
+      waiting = jax.lax.dynamic_update_index_in_dim(
+          waiting, passed, jnp.mod(t, wait), 0)
+      back = jax.lax.dynamic_index_in_dim(waiting, jnp.mod(t + 1, wait),
+                                          keepdims=False)
+      fresh = jnp.where(t + 1 < microbatches, fresh, back)
+    return jnp.where(stage == 0, fresh, passed), waiting
 
   compute = per_stage(compute, stages)
-  receive = per_stage(receive, stages, in_axes=(0, 0, 0, None))
+  receive = per_stage(receive, stages, in_axes=(0, 0, 0, None, None))
 
-  def tick(carry, t):
-    held, results = carry
+  def tick(carry, tick_inputs):
+    held, waiting = carry
+    t, fresh = tick_inputs
     # Which pass each stage's microbatch is on (clipped in the bubble,
     # where the result is never used).
     rep = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
     passed = hand_off(compute(chunks, rep, held), mesh)
-    return receive(stage_ids, passed, results, t), None
+    held, waiting = receive(stage_ids, passed, waiting, t, fresh)
+    return (held, waiting), passed
 
-  held, results = per_stage(
+  # The new microbatch entering stage 0 after each tick (scanned over, so
+  # the backward pass needs no scatter into the whole input per tick).
+  fresh = jnp.concatenate([inputs[1:], jnp.zeros(
+      (ticks - microbatches + 1,) + inputs.shape[1:], inputs.dtype)])
+  held, waiting = per_stage(
       lambda s: (jnp.where(s == 0, inputs[0], jnp.zeros_like(inputs[0])),
-                 jnp.zeros_like(inputs)), stages)(stage_ids)
-  ticks = jnp.arange(num_ticks(stages, microbatches, repeats))
-  (_, results), _ = jax.lax.scan(tick, (held, results), ticks)
-  return results[0]
+                 jnp.zeros((wait if repeats > 1 else 1,) + inputs.shape[1:],
+                           inputs.dtype)), stages)(stage_ids)
+  _, passed = jax.lax.scan(tick, (held, waiting),
+                           (jnp.arange(ticks), fresh))
+  # Microbatch m's last pass reaches stage 0 at tick (R - 1) M + m + S - 1.
+  first = (repeats - 1) * microbatches + stages - 1
+  return passed[first:first + microbatches, 0]
 
 
 def make_loss(layout, embed: Callable, layer: Callable,
