@@ -62,6 +62,15 @@ _STREAMING_TAU = flags.DEFINE_integer(
     "streaming_tau", 1, "Streaming DiLoCo: overlapped steps tau (assumed).")
 _STREAMING_LATENCY_S = flags.DEFINE_float(
     "streaming_latency_s", 0.0, "Streaming DiLoCo: latency (assumed).")
+_ISLAND_TOKENS = flags.DEFINE_integer(
+    "dilocox_island_tokens", 2**19,
+    "DiLoCoX-style scaling: tokens per inner step of one island (assumed).")
+_GPU_FLOPS = flags.DEFINE_float(
+    "dilocox_gpu_flops", 312e12,
+    "DiLoCoX-style scaling: each GPU's bf16 peak (A800: 312 TFLOP/s).")
+_MFU = flags.DEFINE_float(
+    "dilocox_mfu", 0.4, "DiLoCoX-style scaling: model FLOP utilization "
+    "inside an island (assumed).")
 
 GBIT = 1e9
 
@@ -168,6 +177,42 @@ def dilocox() -> list[str]:
   ]
 
 
+def dilocox_scaling() -> list[str]:
+  """DiLoCoX-style islands at growing sizes: 160 GPUs as 10 islands of 8
+  pipeline stages x 2 data-parallel replicas, 1 Gbit/s between islands.
+  The step time follows from the FLOPs (6 N per token), the GPUs' peak and
+  an MFU, all assumed; each stage sends its share, over the island's one
+  link or over a link per stage (a node each)."""
+  islands, stages, replicas, bandwidth = 10, 8, 2, 1 * GBIT
+  h, codec = _DILOCOX_H.value, _DILOCOX_CODEC.value
+  latency = _DILOCOX_LATENCY_S.value
+  link = nm.Link(bandwidth, latency)
+  rows = []
+  for params in (1_300_000_000, 7_000_000_000, 30_000_000_000,
+                 107_000_000_000):
+    step = (6 * params * _ISLAND_TOKENS.value
+            / (stages * replicas * _GPU_FLOPS.value * _MFU.value))
+    diloco = lambda links, overlap="none", inner_steps=h: (
+        workloads.diloco_workload(params, islands, step, inner_steps,
+                                  codec=codec, overlap=overlap,
+                                  stages=stages, stage_links=links))
+    least_h = _least(lambda n: nm.utilization(diloco(1, inner_steps=n),
+                                              link) >= 0.95,
+                     1, 100_000, integer=True)
+    ddp = workloads.ddp_workload(params, islands, step, inner_steps=h,
+                                 stages=stages)
+    rows.append(
+        f"| {params / 1e9:g}B | {step:,.1f} s* | "
+        f"{_bytes(diloco(1).sync_bytes / stages)} | "
+        f"{nm.timing(diloco(1), link).collective_s:,.0f} s / "
+        f"{nm.timing(diloco(stages), link).collective_s:,.0f} s | "
+        f"{nm.utilization(diloco(1), link):.1%} / "
+        f"{nm.utilization(diloco(stages), link):.1%} | "
+        f"**{nm.utilization(diloco(1, 'one_step_delay'), link):.1%}** | "
+        f"{least_h} | {nm.utilization(ddp, link):.2%} |")
+  return rows
+
+
 def opendiloco_and_intellect1() -> list[str]:
   """OpenDiLoCo (arXiv 2407.07852) and INTELLECT-1 (arXiv 2412.01152)."""
   rows = []
@@ -246,6 +291,20 @@ def main(argv):
         "payloads | paper's simulation |")
   print("|---|---|---|---|---|")
   print("\n".join(streaming()))
+  print()
+  print(f"DiLoCoX-style islands: 10 islands x (8 pipeline stages x 2 "
+        f"replicas) = 160 GPUs, 1 Gbit/s between islands, latency "
+        f"{_DILOCOX_LATENCY_S.value * 1e3:g} ms*, H = {_DILOCOX_H.value}*, "
+        f"{_DILOCOX_CODEC.value}*; step time from 6 N FLOPs per token, "
+        f"{_ISLAND_TOKENS.value:,} tokens per island step*, "
+        f"{_GPU_FLOPS.value / 1e12:g} TFLOP/s per GPU at {_MFU.value:.0%} "
+        "MFU*\n")
+  print("| params | step | a stage's sync | sync: shared link / link per "
+        "stage | utilization, blocking: shared / per stage | one-step "
+        "delay, shared | least H for 95%, blocking, shared | all-reduce "
+        "every step |")
+  print("|---|---|---|---|---|---|---|---|")
+  print("\n".join(dilocox_scaling()))
 
 
 if __name__ == "__main__":

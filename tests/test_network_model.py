@@ -17,6 +17,7 @@ from diloco_jax.analysis import network_model as nm
 from diloco_jax.analysis import workloads
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.config import schema as config_schema
+from diloco_jax.parallel import communication
 
 N = 1_000_000_000  # params; a multiple of every island count used here
 GBIT = 1e9
@@ -445,3 +446,46 @@ def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   workload, _ = workloads.from_config(config, step, bandwidth, params=_tree())
   assert estimate["network_wall_s"] == pytest.approx(
       20 * nm.round_time(workload, link) + nm.end_of_run_s(workload, link))
+
+
+def test_pipelined_islands_send_each_stage_s_share():
+  """S stages each reduce their share: over one shared link the bytes add
+  up to the whole model's; with a link per stage each carries 1/S, as a
+  codec S times stronger would."""
+  workload = lambda **kw: workloads.diloco_workload(
+      N, 8, 1.0, 100, codec="fp32", **kw)
+  whole, shared = workload(), workload(stages=8)
+  own = workload(stages=8, stage_links=8)
+  # Each stage also psums the islands' weights.
+  assert shared.sync_bytes == whole.sync_bytes + 7 * (
+      communication.weight_share_bytes(8))
+  link = nm.Link(GBIT, 0.0)
+  assert nm.round_time(shared, link) == pytest.approx(
+      nm.round_time(whole, link))
+  stall = lambda w: nm.timing(w, link).stall_s
+  assert stall(own) == pytest.approx(stall(whole) / 8, rel=1e-6)
+  assert nm.peak_bytes(own) == pytest.approx(whole.sync_bytes / 8, rel=1e-6)
+  # Stages synced on staggered schedules over the shared link: streaming.
+  staggered = workload(stages=8, fragments=8)
+  assert nm.peak_bytes(staggered) == nm.peak_bytes(own)
+  with pytest.raises(ValueError, match="stage_links=8 must be 1 with"):
+    workload(stages=8, fragments=8, stage_links=8)
+
+
+def test_from_config_counts_a_pipelined_run_s_bytes():
+  """What the run counts: each stage's collective through the codec."""
+  from diloco_jax.analysis import link_bytes  # pylint: disable=g-import-not-at-top
+  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  config = config_schema.base_config()
+  config.model.num_layers = 4
+  config.mesh.stage = 2
+  config.diloco.codec = "int8"
+  shapes = model_lib.param_shapes(config.model)
+  counted = link_bytes.LinkBytes(
+      config, shapes, config.diloco.islands,
+      run_config.compression(config.diloco),
+      run_config.stage_layout(config)).sync(None)
+  workload, _ = workloads.from_config(config, 0.25, GBIT, params=shapes)
+  assert (workload.sync_bytes, workload.stage_links) == (counted, 1)
+  config.network.link_per_stage = True
+  assert workloads.from_config(config, 0.25, GBIT)[0].stage_links == 2

@@ -24,6 +24,7 @@ computes the others' heads, and the head's cost is spread like the
 layers'.
 """
 
+import functools
 from typing import Callable
 
 import jax
@@ -87,16 +88,22 @@ def run_stages(stage_fn: Callable, chunks, inputs: jax.Array, stages: int,
       fresh = jnp.where(t + 1 < microbatches, fresh, back)
     return jnp.where(stage == 0, fresh, passed), waiting
 
-  compute = per_stage(compute, stages)
   receive = per_stage(receive, stages, in_axes=(0, 0, 0, None, None))
 
-  def tick(carry, tick_inputs):
+  def tick(carry, tick_inputs, rep):
+    """One tick; `rep` is the pass every stage is on (a static index into
+    its chunks), or None where the stages are on different passes."""
     held, waiting = carry
     t, fresh = tick_inputs
-    # Which pass each stage's microbatch is on (clipped in the bubble,
-    # where the result is never used).
-    rep = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
-    passed = hand_off(compute(chunks, rep, held), mesh)
+    if rep is None:
+      # Each stage's pass (clipped in the bubble, whose results are never
+      # used); a dynamic index copies the chunk's weights each tick.
+      reps = jnp.clip((t - stage_ids) // microbatches, 0, repeats - 1)
+      computed = per_stage(compute, stages)(chunks, reps, held)
+    else:
+      computed = per_stage(stage_fn, stages)(
+          jax.tree.map(lambda p: p[:, rep], chunks), held)
+    passed = hand_off(computed, mesh)
     held, waiting = receive(stage_ids, passed, waiting, t, fresh)
     return (held, waiting), passed
 
@@ -104,15 +111,40 @@ def run_stages(stage_fn: Callable, chunks, inputs: jax.Array, stages: int,
   # the backward pass needs no scatter into the whole input per tick).
   fresh = jnp.concatenate([inputs[1:], jnp.zeros(
       (ticks - microbatches + 1,) + inputs.shape[1:], inputs.dtype)])
-  held, waiting = per_stage(
+  carry = per_stage(
       lambda s: (jnp.where(s == 0, inputs[0], jnp.zeros_like(inputs[0])),
                  jnp.zeros((wait if repeats > 1 else 1,) + inputs.shape[1:],
                            inputs.dtype)), stages)(stage_ids)
-  _, passed = jax.lax.scan(tick, (held, waiting),
-                           (jnp.arange(ticks), fresh))
+  passed = []
+  for start, length, rep in _segments(stages, microbatches, repeats):
+    carry, out = jax.lax.scan(
+        functools.partial(tick, rep=rep), carry,
+        (jnp.arange(start, start + length), fresh[start:start + length]))
+    passed.append(out)
+  passed = jnp.concatenate(passed)
   # Microbatch m's last pass reaches stage 0 at tick (R - 1) M + m + S - 1.
   first = (repeats - 1) * microbatches + stages - 1
   return passed[first:first + microbatches, 0]
+
+
+def _segments(stages: int, microbatches: int, repeats: int):
+  """The ticks as (start, length, pass) runs in which every stage is on
+  the same pass (None: the stages straddle two). Stage s starts pass r at
+  tick r M + s, so only the S - 1 ticks after each r M straddle."""
+  runs = [(0, microbatches, 0)]
+  for rep in range(1, repeats):
+    runs += [(rep * microbatches, stages - 1, None),
+             (rep * microbatches + stages - 1, microbatches - stages + 1, rep)]
+  runs.append((repeats * microbatches, stages - 1, repeats - 1))
+  merged = []
+  for start, length, rep in runs:
+    if length == 0:
+      continue
+    if merged and rep is not None and merged[-1][2] == rep:
+      merged[-1] = (merged[-1][0], merged[-1][1] + length, rep)
+    else:
+      merged.append((start, length, rep))
+  return merged
 
 
 def make_loss(layout, embed: Callable, layer: Callable,
