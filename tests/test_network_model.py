@@ -12,11 +12,13 @@ import pytest
 from diloco_jax.config import run_config
 
 from diloco_jax.algorithm import compression
+from diloco_jax.analysis import link_bytes
 from diloco_jax.analysis import link_queue
 from diloco_jax.analysis import network_model as nm
 from diloco_jax.analysis import workloads
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.config import schema as config_schema
+from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import communication
 
 N = 1_000_000_000  # params; a multiple of every island count used here
@@ -474,8 +476,6 @@ def test_pipelined_islands_send_each_stage_s_share():
 
 def test_from_config_counts_a_pipelined_run_s_bytes():
   """What the run counts: each stage's collective through the codec."""
-  from diloco_jax.analysis import link_bytes  # pylint: disable=g-import-not-at-top
-  from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   config = config_schema.base_config()
   config.model.num_layers = 4
   config.mesh.stage = 2

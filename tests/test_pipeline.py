@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from configs import pipeline as pipeline_config
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
@@ -346,7 +347,6 @@ def test_what_stages_cannot_do_is_one_line_naming_both_settings(
 
 
 def test_the_example_config_runs_two_stages():
-  from configs import pipeline as pipeline_config  # pylint: disable=g-import-not-at-top
   config = pipeline_config.get_config()
   assert config.mesh.stage == 2
   validation.validate_config(config, 8)

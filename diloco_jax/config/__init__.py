@@ -4,6 +4,7 @@
   validation.py    validate_config: every check at once, one ConfigError
                    listing every problem; returns a RunConfig.
   diloco_checks.py the checks of config.diloco.
+  pipeline_checks.py the checks of pipelined islands (mesh.stage, pipeline).
   problems.py      collecting problems; ConfigError.
   run_config.py    RunConfig: the frozen config with what it stands for
                    parsed once (islands, codec, schedule, participation,

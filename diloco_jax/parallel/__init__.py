@@ -8,6 +8,11 @@
   communication.py  the one communication boundary: every cross-island
                     collective (dense, compressed, sparse phases) and the
                     bytes one island sends for it.
+  stages.py         pipeline stages inside an island: the logical <->
+                    staged layout of params-shaped trees, code run once
+                    per stage (per_stage), the ppermute hand-off.
+  pipeline.py       microbatches through the stages: the GPipe and
+                    circular schedules and the pipelined loss.
   outer_devices.py  devices of their own for the outer step, and copying
                     arrays onto them without a collective.
   multihost.py      starting jax.distributed, and host values exchanged

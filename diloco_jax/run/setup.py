@@ -161,9 +161,11 @@ class RunSetup:
     layout = self.spec.layout
     if layout is not None:
       microbatches = run_config_lib.pipeline_microbatches(config)
-      line += (f", {layout.stages} pipeline stages ({config.pipeline.schedule}"
-               f", {microbatches} microbatches, {layout.repeats} pass(es), "
-               f"bubble {pipeline.bubble_fraction(layout.stages, microbatches, layout.repeats):.0%})")
+      bubble = pipeline.bubble_fraction(layout.stages, microbatches,
+                                        layout.repeats)
+      line += (f", {layout.stages} pipeline stages "
+               f"({config.pipeline.schedule}, {microbatches} microbatches, "
+               f"{layout.repeats} pass(es), bubble {bubble:.0%})")
     return line + (", FSDP over 'data'" if config.mesh.fsdp else "")
 
 
