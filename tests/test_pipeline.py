@@ -34,7 +34,9 @@ from diloco_jax.parallel import pipeline
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
 from diloco_jax.parallel.mesh import STAGE
+from diloco_jax.run import checkpoints as checkpoints_lib
 from diloco_jax.run import setup as setup_lib
+from diloco_jax.run import start as start_lib
 from diloco_jax.run import state_spec
 from diloco_jax.run import train
 from tests import helpers
@@ -193,7 +195,9 @@ _RUNS = {
     # each island's progress (an update in flight and anchors per stage).
     "diloco": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
                "diloco.overlap": "one_step_delay_rebase"},
-    "ddp": {"mode": "ddp"},
+    # ddp from a pretrained worker: the warm start reads a logical
+    # checkpoint into the stages.
+    "ddp": {"mode": "ddp", "pretrain_steps": 4},
     "single": {"mode": "single"},
 }
 _STAGED = {
@@ -262,7 +266,8 @@ def test_a_run_counts_every_stage_s_bytes(runs):
   than one stage, for the second stage's weight psum."""
   _, one = runs("ddp", 1)
   _, two = runs("ddp", 2, "S2")
-  assert two["comm_bytes"] == one["comm_bytes"] + one["total_steps"] * 8
+  steps = one["total_steps"] - one["pretrain_steps"]
+  assert two["comm_bytes"] == one["comm_bytes"] + steps * 8
 
 
 def test_each_stage_reduces_only_among_the_devices_holding_it():
@@ -304,6 +309,29 @@ def test_resume_with_another_stage_count_goes_on_as_the_run_would(
   helpers.assert_trees_close(test_checkpoint._final_state(resumed),
                              test_checkpoint._final_state(whole),
                              rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
+
+
+@pytest.mark.parametrize("stages", [1, 4])
+def test_a_checkpoint_reads_back_exactly_at_any_stage_count(runs, stages):
+  """The S = 2 run's last checkpoint, restored for S = 1 or 4, laid out
+  for that run's steps and back: every bit of what was saved."""
+  whole, _ = runs("diloco", 2, "S2")
+  config = _config(stages, **_RUNS["diloco"], **_STAGED.get(
+      {1: None, 4: "S4"}[stages], {}))
+  setup = setup_lib.build(validation.validate_config(config, 8),
+                          jax.devices())
+  checkpointer = checkpoints_lib.Checkpointer(whole, read_only=True)
+  start = start_lib.restore(setup, checkpointer, compare_config=False)
+  checkpointer.close()
+  round_trip = setup.whole(setup.islands_side(start.state))
+  saved = test_checkpoint._final_state(whole)
+  for name, value in saved.items():
+    # The checkpoint reads back as dicts: compare leaf by leaf, in order.
+    ours, theirs = jax.tree.leaves(getattr(round_trip, name)), jax.tree.leaves(
+        value)
+    assert len(ours) == len(theirs), name
+    for a, b in zip(ours, theirs):
+      np.testing.assert_array_equal(np.asarray(a), b, err_msg=name)
 
 
 def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
