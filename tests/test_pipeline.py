@@ -11,8 +11,12 @@ of small gradients into ~1e-6 differences of the params after a few steps
 (as FSDP's test measures for its own reassociation).
 """
 
+import fcntl
 import functools
+import os
+import pathlib
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +116,10 @@ def _pipelined_loss_and_grads(model, params, sequences, stages, repeats,
 
 
 @pytest.mark.parametrize("stages,repeats,microbatches,tie,remat", [
-    (2, 1, 2, True, False), (2, 1, 4, False, False), (2, 2, 2, True, False),
-    (4, 1, 4, False, False), (4, 2, 8, True, False), (4, 2, 4, False, True),
-], ids=["gpipe-S2-M2-tied", "gpipe-S2-M4", "circular-S2-R2-M2-tied",
-        "gpipe-S4-M4", "circular-S4-R2-M8-tied", "circular-S4-R2-M4-remat"])
+    (2, 1, 4, True, False), (2, 2, 2, False, False), (4, 1, 4, False, False),
+    (4, 2, 4, True, True),
+], ids=["gpipe-S2-M4-tied", "circular-S2-R2-M2", "gpipe-S4-M4",
+        "circular-S4-R2-M4-tied-remat"])
 def test_every_schedule_gives_the_gradients_of_one_stage(
     stages, repeats, microbatches, tie, remat):
   """Tied embeddings stay tied: one copy, cut over the stages; the lookup
@@ -195,39 +199,43 @@ _RUNS = {
     # each island's progress (an update in flight and anchors per stage).
     "diloco": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
                "diloco.overlap": "one_step_delay_rebase"},
-    # ddp from a pretrained worker: the warm start reads a logical
-    # checkpoint into the stages.
-    "ddp": {"mode": "ddp", "pretrain_steps": 4},
-    "single": {"mode": "single"},
+    "ddp": {"mode": "ddp"},
+    # From a pretrained worker: the warm start reads a logical checkpoint
+    # into the stages.
+    "single": {"mode": "single", "pretrain_steps": 4},
 }
 _STAGED = {
     "S2": {},
-    "S4": {"pipeline.microbatches": 4},
     "S2-data2-fsdp": {"mesh.data": 2, "mesh.fsdp": True},
-    "S2-circular": {"pipeline.schedule": "circular", "pipeline.repeats": 2},
+    "S4": {"pipeline.microbatches": 4},
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Lazily run configs: runs(name, stages, staged_name) -> workdir."""
-  done = {}
+  """Lazily run configs: runs(name, stages, staged_name) -> (workdir,
+  summary). pytest-xdist's processes share the runs: the first to ask for
+  one trains it under a file lock, the others wait and read its summary
+  (a finished run's workdir returns it at once)."""
+  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  shared = (pathlib.Path(tempfile.gettempdir())
+            / f"diloco_jax_pipeline_runs_{run_id}" if run_id
+            else tmp_path_factory.mktemp("runs"))
+  shared.mkdir(exist_ok=True)
 
   def run(name, stages, staged=None):
-    key = (name, stages, staged)
-    if key not in done:
-      workdir = str(tmp_path_factory.mktemp("runs") / "_".join(
-          map(str, key)))
-      config = _config(stages, **_RUNS[name], **_STAGED.get(staged, {}))
-      done[key] = (workdir, train.train_and_evaluate(config, workdir))
-    return done[key]
+    workdir = shared / "_".join(map(str, (name, stages, staged)))
+    config = _config(stages, **_RUNS[name], **_STAGED.get(staged, {}))
+    with open(f"{workdir}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      return str(workdir), train.train_and_evaluate(config, str(workdir))
 
   return run
 
 
 @pytest.mark.parametrize("name,stages,staged", [
-    ("diloco", 2, "S2"), ("diloco", 4, "S4"), ("diloco", 2, "S2-data2-fsdp"),
-    ("diloco", 2, "S2-circular"), ("ddp", 2, "S2"), ("single", 2, "S2"),
+    ("diloco", 2, "S2"), ("diloco", 4, "S4"),
+    ("diloco", 2, "S2-data2-fsdp"), ("ddp", 2, "S2"), ("single", 2, "S2"),
 ])
 def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
   reference, reference_summary = runs(name, 1)
@@ -266,8 +274,7 @@ def test_a_run_counts_every_stage_s_bytes(runs):
   than one stage, for the second stage's weight psum."""
   _, one = runs("ddp", 1)
   _, two = runs("ddp", 2, "S2")
-  steps = one["total_steps"] - one["pretrain_steps"]
-  assert two["comm_bytes"] == one["comm_bytes"] + steps * 8
+  assert two["comm_bytes"] == one["comm_bytes"] + one["total_steps"] * 8
 
 
 def test_each_stage_reduces_only_among_the_devices_holding_it():
@@ -311,13 +318,11 @@ def test_resume_with_another_stage_count_goes_on_as_the_run_would(
                              rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
 
 
-@pytest.mark.parametrize("stages", [1, 4])
-def test_a_checkpoint_reads_back_exactly_at_any_stage_count(runs, stages):
-  """The S = 2 run's last checkpoint, restored for S = 1 or 4, laid out
-  for that run's steps and back: every bit of what was saved."""
+def test_a_checkpoint_reads_back_exactly_at_another_stage_count(runs):
+  """The S = 2 run's last checkpoint, restored for S = 4, laid out for
+  that run's steps and back: every bit of what was saved."""
   whole, _ = runs("diloco", 2, "S2")
-  config = _config(stages, **_RUNS["diloco"], **_STAGED.get(
-      {1: None, 4: "S4"}[stages], {}))
+  config = _config(4, **_RUNS["diloco"], **_STAGED["S4"])
   setup = setup_lib.build(validation.validate_config(config, 8),
                           jax.devices())
   checkpointer = checkpoints_lib.Checkpointer(whole, read_only=True)
