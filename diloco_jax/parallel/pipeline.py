@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.parallel.mesh import DATA
-from diloco_jax.parallel.stages import LAYERS, context_mesh, hand_off
-from diloco_jax.parallel.stages import per_stage
+from diloco_jax.parallel.stages import (LAYERS, context_mesh, hand_off,
+                                        per_stage)
 
 SCHEDULES = ("gpipe", "circular")
 
