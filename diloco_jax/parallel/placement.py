@@ -14,7 +14,7 @@ arrays are replicated over the island's devices.
 """
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
