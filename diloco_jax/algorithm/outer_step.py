@@ -5,7 +5,8 @@ round.
 It is built from pure pieces that run wherever the outer side lives:
 `make_island_sync` (the collective through the codec, per island),
 `receive` (a round's mean into the outer side's state), `apply_in_flight`
-(the delayed mean applied) and `next_round` (the islands set up again).
+(the delayed mean applied), `eager_islands` (eager updates: each island's
+own outer step) and `next_round` (the islands set up again).
 `make_outer_step` and `make_flush` compose them into one compiled program
 on the compute devices; with config.diloco.outer_placement='host' the run
 layer runs the same pieces on devices of their own. overlap.py states the
@@ -184,13 +185,50 @@ def apply_in_flight(outer_opt: optax.GradientTransformation,
       in_flight_valid=jnp.zeros((), jnp.bool_))
 
 
+def eager_islands(outer_opt: optax.GradientTransformation,
+                  state: TrainState, landed, landed_valid, weights,
+                  sends: jax.Array, stages: int = 1) -> TrainState:
+  """Eager updates: every island's own outer step (traceable).
+
+  Island m steps its x_m (its anchor, where its round started) with its
+  own outer state on D~_m = D(r-1) - u_m(r-1) + u_m(r) (overlap.py):
+  `landed` is D(r-1), the mean that has had this round to arrive (with
+  `landed_valid`, whether it holds one), u_m(r-1) the share kept in
+  `state`, and u_m(r) its fresh pseudo-gradient x_m - y_m weighted by
+  `weights` [islands] if it is in `sends` [islands] (it has weight and a
+  finite pseudo-gradient). An island with nothing to apply (no mean landed
+  and no share of its own) keeps its x_m and outer state.
+
+  Returns `state` with x_m(r) as the anchors (next_round starts the
+  islands from them), the islands' outer states and u_m(r).
+  """
+  pseudo_grads = jax.tree.map(
+      lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
+      state.anchors, state.island_params)
+  shares = overlap_lib.own_shares(pseudo_grads, weights, sends)
+  updates = overlap_lib.eager_updates(landed, landed_valid, state.own_shares,
+                                      shares)
+
+  def one_island(x, opt_state, update, takes_effect):
+    return outer_update(outer_opt, x, opt_state, update, takes_effect,
+                        stages)
+
+  anchors, outer_states = jax.vmap(one_island)(
+      state.anchors, state.island_outer_opt_state, updates,
+      sends | landed_valid)
+  return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
+                       own_shares=shares)
+
+
 def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
                inner_opt: optax.GradientTransformation | None = None,
                stages: int = 1) -> TrainState:
   """`state` with x and every island set up for the next round (traceable).
 
   Every island starts from x; with anchors (the rebasing delay) an island
-  in `keep` [islands] starts from x plus its progress (overlap.rebase).
+  in `keep` [islands] starts from x plus its progress (overlap.rebase);
+  with eager updates each island starts from its own x_m, its anchor
+  (set by `eager_islands`).
   Given `inner_opt`, islands in `restart` [islands] also get a fresh inner
   optimizer state, counted from the current step so the learning rate
   schedule goes on (one per stage of a staged state of `stages`).
@@ -203,11 +241,27 @@ def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
         state.step, restart, stages)
   if state.anchors is None:
     island_params, anchors = state_lib.stack_islands(x, islands), None
+  elif state.own_shares is not None:  # eager: from x_m
+    island_params, anchors = state.anchors, state.anchors
   else:
     island_params, anchors = overlap_lib.rebase(
         state.island_params, state.anchors, x, keep)
   return state.replace(global_params=x, island_params=island_params,
                        anchors=anchors, inner_opt_state=inner_opt_state)
+
+
+def settle_islands(state: TrainState) -> TrainState:
+  """Eager updates at the end of a run: every island's own outer point and
+  state become x's and its share is spent (the means have all landed in
+  x), so the islands agree again. Other overlaps: `state` unchanged."""
+  if state.own_shares is None:
+    return state
+  islands = state_lib.num_islands(state)
+  return state.replace(
+      anchors=state_lib.stack_islands(state.global_params, islands),
+      island_outer_opt_state=state_lib.stack_islands(state.outer_opt_state,
+                                                     islands),
+      own_shares=jax.tree.map(jnp.zeros_like, state.own_shares))
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
@@ -257,24 +311,36 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   dropped by the next rebase. An island left out of the mean (weight 0 or
   diverged) starts from x_r alone.
 
+  With `overlap` 'eager' x follows the one-step delay's rule (x_r steps on
+  D(r - 1)), while each island steps its own outer point at once on its
+  fresh pseudo-gradient and the others' mean a round late
+  (`eager_islands`) and starts round r + 1 from it; its pseudo-gradient is
+  taken against that point (its anchor). A diverged island starts from
+  its own point with a fresh inner state.
+
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
     weights in the mean (tokens processed this round). `state` is donated.
   """
   delayed = overlap_lib.is_delayed(overlap)
-  rebased = overlap_lib.rebases(overlap)
+  anchored = overlap_lib.anchored(overlap)
+  eager = overlap_lib.is_eager(overlap)
   stages = mesh.shape[STAGE]
   sync = make_island_sync(mesh, compression, rounding_seed, fsdp,
-                          reference_per_island=rebased)
+                          reference_per_island=anchored)
 
   def outer(state: TrainState, weights: jax.Array):
     # s_r (or the anchors), before a delayed mean moves x to x_r.
-    reference = state.anchors if rebased else state.global_params
+    reference = state.anchors if anchored else state.global_params
+    landed, landed_valid = state.in_flight, state.in_flight_valid
     if delayed:
       state = apply_in_flight(outer_opt, state, stages)
     state, included, finite = receive(outer_opt, sync, delayed, state,
                                       state.island_params, weights, reference,
                                       stages)
+    if eager:
+      state = eager_islands(outer_opt, state, landed, landed_valid, weights,
+                            finite & (weights > 0), stages)
     restart = ~finite
     if restart_dropped:
       restart = restart | (weights <= 0)
@@ -293,14 +359,16 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   The mean still in flight after the last round is received and applied
   (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x
   (with the rebasing delay, its anchor too: the last round's progress is
-  in x_R), and the slot is emptied, so a run extended later starts its
-  delay anew. `state` is donated.
+  in x_R; with eager updates, its own outer point and state become x_R's
+  and its share is spent), and the slot is emptied, so a run extended
+  later starts its delay anew. `state` is donated.
   """
 
   stages = mesh.shape[STAGE]
 
   def flush(state: TrainState) -> TrainState:
     state = apply_in_flight(outer_opt, state, stages)
+    state = settle_islands(state)
     nobody = jnp.zeros((state_lib.num_islands(state),), jnp.bool_)
     state = next_round(state, state.global_params, nobody, nobody)
     return state_lib.constrain_state(state, mesh, fsdp)

@@ -13,6 +13,21 @@ config.diloco.overlap:
                             own progress of round r (whose mean is still in
                             flight), measured from its anchor a_i, the point
                             it started the round from (`rebase`).
+  'eager'                   (eager updates, Kale et al. 2025) the same
+                            timing for the islands' mean, but each island m
+                            steps its own copy of the outer point x_m with
+                            its own outer optimizer state at once, on its
+                            fresh pseudo-gradient in place of its share of
+                            the mean still in flight:
+                              D~_m(r) = D(r-1) - u_m(r-1) + u_m(r),
+                              u_m(r) = w_m d_m(r) / sum_j w_j,
+                              x_m(r) = OuterOpt_m(x_m(r-1), D~_m(r)),
+                            and starts round r + 1 from x_m(r); d_m(r) is
+                            taken against x_m(r-1) (its anchor). When D(r)
+                            lands, its others' part replaces the island's
+                            u_m(r) in the next D~; nothing is recomputed.
+                            x, the model the run is judged by, follows
+                            the one-step delay's rule on the same means.
 
 The outer steps that follow these rules are outer_step.py's.
 """
@@ -20,8 +35,11 @@ The outer steps that follow these rules are outer_step.py's.
 import jax
 import jax.numpy as jnp
 
-OVERLAPS = ("none", "one_step_delay", "one_step_delay_rebase")
+OVERLAPS = ("none", "one_step_delay", "one_step_delay_rebase", "eager")
 DELAYED_OVERLAPS = OVERLAPS[1:]
+# The modes whose islands take their pseudo-gradients against a point of
+# their own (an anchor per island) rather than the shared x.
+ANCHORED_OVERLAPS = ("one_step_delay_rebase", "eager")
 
 
 def is_delayed(overlap: str) -> bool:
@@ -34,6 +52,49 @@ def is_delayed(overlap: str) -> bool:
 def rebases(overlap: str) -> bool:
   """Whether `overlap` keeps the islands' progress across the delay."""
   return is_delayed(overlap) and overlap == "one_step_delay_rebase"
+
+
+def is_eager(overlap: str) -> bool:
+  """Whether `overlap` steps each island's own outer point at once."""
+  return is_delayed(overlap) and overlap == "eager"
+
+
+def anchored(overlap: str) -> bool:
+  """Whether the islands' pseudo-gradients are taken against anchors of
+  their own (state.anchors) rather than the shared x."""
+  return is_delayed(overlap) and overlap in ANCHORED_OVERLAPS
+
+
+def own_shares(pseudo_grads, weights: jax.Array, sends: jax.Array):
+  """u_m = w_m d_m / sum_j w_j per island (stacked like `pseudo_grads`, in
+  float32): each island's share of the mean it is about to send; 0 for an
+  island not in `sends` [islands] (no weight, or a pseudo-gradient that is
+  not finite).
+
+  The total is over the weights every island knows before the collective
+  (the round's schedule). The landed mean is normalized over the islands
+  that took part and replaces these shares a round later, so a difference
+  between the two lasts one round.
+  """
+  total = jnp.sum(weights)
+  share = jnp.where(sends, weights / jnp.where(total > 0, total, 1.0), 0.0)
+  def one(d):
+    column = lambda v: v.reshape((-1,) + (1,) * (d.ndim - 1))
+    # NaN x 0 is still NaN: a diverged island's values are dropped first.
+    return jnp.where(column(sends), column(share) * d.astype(jnp.float32),
+                     0.0)
+  return jax.tree.map(one, pseudo_grads)
+
+
+def eager_updates(in_flight, in_flight_valid, old_shares, new_shares):
+  """D~_m = D(r-1) - u_m(r-1) + u_m(r) per island (float32, stacked like
+  the shares): the landed mean with each island's stale share of it
+  swapped for its fresh one. Before any mean has landed (round 0, or a
+  round no island took part in) D(r-1) and u_m(r-1) count as 0."""
+  def one(mean, old, new):
+    landed = jnp.where(in_flight_valid, mean[None] - old, 0.0)
+    return landed + new
+  return jax.tree.map(one, in_flight, old_shares, new_shares)
 
 
 def rebase(island_params, anchors, x, keep: jax.Array):

@@ -58,7 +58,13 @@ class TrainState(flax.struct.PyTreeNode):
       or when no island took part in that round), or None.
     anchors: overlap 'one_step_delay_rebase': per island, the params its
       current round started from, a_i (its progress is y_i - a_i), stacked
-      like island_params; or None.
+      like island_params; overlap 'eager': per island, its own outer point
+      x_m (where its round started); or None.
+    island_outer_opt_state: overlap 'eager': per island, the outer
+      optimizer state of its own x_m (stacked like island_params), or None.
+    own_shares: overlap 'eager': per island, its share w_m d_m / sum_j w_j
+      of the mean in flight (float32, stacked like island_params), which
+      the mean replaces when it lands; or None.
   """
   step: jax.Array
   round: jax.Array
@@ -71,6 +77,8 @@ class TrainState(flax.struct.PyTreeNode):
   in_flight: Any = None
   in_flight_valid: Any = None
   anchors: Any = None
+  island_outer_opt_state: Any = None
+  own_shares: Any = None
 
 
 def stack_islands(tree, n: int):
@@ -78,7 +86,7 @@ def stack_islands(tree, n: int):
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
 
 
-def _zero_residuals(params, num_islands: int):
+def _zeros_per_island(params, num_islands: int):
   return jax.tree.map(
       lambda x: jnp.zeros((num_islands,) + x.shape, jnp.float32), params)
 
@@ -99,19 +107,24 @@ def init_state(params, inner_opt: optax.GradientTransformation,
   With `error_feedback` the state holds zero residuals; with a `compression`
   (as outer_step.make_outer_step takes it) that keeps state, its initial
   codec state (seeded by `seed`; per stage of `layout`, when given); with a
-  delayed `overlap`, an empty slot for the update in flight, and with
-  'one_step_delay_rebase' every island's anchor at `params`. The state is
-  logical (`stage_state` stages it).
+  delayed `overlap`, an empty slot for the update in flight; with
+  'one_step_delay_rebase' or 'eager' every island's anchor at `params`, and
+  with 'eager' each island's own outer state and an empty share. The state
+  is logical (`stage_state` stages it).
   """
   island_params = stack_islands(params, num_islands)
   delayed = overlap_lib.is_delayed(overlap)
+  eager = overlap_lib.is_eager(overlap)
   return TrainState(
-      anchors=island_params if overlap_lib.rebases(overlap) else None,
+      anchors=island_params if overlap_lib.anchored(overlap) else None,
+      island_outer_opt_state=(jax.vmap(outer_opt.init)(island_params)
+                              if eager else None),
+      own_shares=_zeros_per_island(params, num_islands) if eager else None,
       in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                               params) if delayed else None),
       in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
       codec_state=init_codec_state(params, compression, seed, layout),
-      residuals=(_zero_residuals(params, num_islands) if error_feedback
+      residuals=(_zeros_per_island(params, num_islands) if error_feedback
                  else None),
       step=jnp.zeros((), jnp.int32),
       round=jnp.zeros((), jnp.int32),
@@ -167,6 +180,8 @@ def state_partition_specs(state: TrainState, data_size: int = 1,
       in_flight=shared(state.in_flight),
       in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
       anchors=per_island(state.anchors),
+      island_outer_opt_state=per_island(state.island_outer_opt_state),
+      own_shares=per_island(state.own_shares),
   )
 
 
@@ -189,7 +204,7 @@ def constrain_state(state: TrainState, mesh, fsdp: bool = False
 
 _SHARED_PARAMS = ("global_params", "outer_opt_state", "in_flight")
 _PER_ISLAND_PARAMS = ("island_params", "inner_opt_state", "residuals",
-                      "anchors")
+                      "anchors", "island_outer_opt_state", "own_shares")
 
 
 def stage_state(state: TrainState, layout: stages_lib.StageLayout
@@ -240,10 +255,12 @@ def resize_islands(state: TrainState, num_islands: int,
                    inner_opt: optax.GradientTransformation) -> TrainState:
   """Changes the number of islands, e.g. when a run restarts on a new fleet.
 
-  Islands that stay keep their params, anchors and inner optimizer state;
-  new islands start from the global params (their anchor too) with a fresh
-  inner optimizer state; removed islands are dropped with whatever progress
-  they made since the last outer step.
+  Islands that stay keep their params, anchors and inner optimizer state
+  (with eager updates, their outer state and share in flight too); new
+  islands start from the global params (their anchor too) with a fresh
+  inner optimizer state (with eager updates, x's outer state and no share
+  in flight); removed islands are dropped with whatever progress they made
+  since the last outer step.
   """
   old = jax.tree.leaves(state.island_params)[0].shape[0]
   kept = min(old, num_islands)
@@ -253,6 +270,8 @@ def resize_islands(state: TrainState, num_islands: int,
   anchors = take(state.anchors)
   opt_state = take(state.inner_opt_state)
   residuals = take(state.residuals)
+  island_outer = take(state.island_outer_opt_state)
+  shares = take(state.own_shares)
   if added:
     new_params = stack_islands(state.global_params, added)
     new_opt_state = jax.vmap(inner_opt.init)(new_params)
@@ -263,9 +282,16 @@ def resize_islands(state: TrainState, num_islands: int,
       anchors = jax.tree.map(join, anchors, new_params)
     if residuals is not None:  # new islands have sent nothing yet
       residuals = jax.tree.map(
-          join, residuals, _zero_residuals(state.global_params, added))
+          join, residuals, _zeros_per_island(state.global_params, added))
+    if island_outer is not None:  # x's outer state, and nothing in flight
+      island_outer = jax.tree.map(
+          join, island_outer, stack_islands(state.outer_opt_state, added))
+      shares = jax.tree.map(
+          join, shares, _zeros_per_island(state.global_params, added))
   return state.replace(island_params=params, anchors=anchors,
-                       inner_opt_state=opt_state, residuals=residuals)
+                       inner_opt_state=opt_state, residuals=residuals,
+                       island_outer_opt_state=island_outer,
+                       own_shares=shares)
 
 
 def evaluation_params(state: TrainState, mode: str):

@@ -19,7 +19,10 @@ overlap='one_step_delay' runs while the islands train the next round: the
 next round needs only x_r, which depends on the previous round's mean,
 already arrived. With 'one_step_delay_rebase' the islands' anchors cross
 too (the pseudo-gradients are taken against them) but stay with the
-islands, which rebase their progress onto x_r themselves.
+islands, which rebase their progress onto x_r themselves. With 'eager' the
+anchors cross the same way, and the mean that has landed (not x_r) comes
+back: the islands step their own outer points and states, which stay with
+them, at home.
 
 Streaming DiLoCo's sends go there the same way, one fragment at a time:
 only that fragment's island leaves cross, the collective and the outer
@@ -58,9 +61,11 @@ OUTER_FIELDS = ("outer_opt_state", "in_flight", "in_flight_valid",
 
 def outer_part(state: state_lib.TrainState) -> state_lib.TrainState:
   """The part of `state` the outer side holds: x and OUTER_FIELDS (the
-  islands' params, anchors and inner states stay with them)."""
+  islands' params, anchors, inner states and, with eager updates, their
+  own outer states and shares stay with them)."""
   return state.replace(island_params=None, inner_opt_state=None,
-                       anchors=None)
+                       anchors=None, island_outer_opt_state=None,
+                       own_shares=None)
 
 
 def strip(state: state_lib.TrainState) -> state_lib.TrainState:
@@ -81,7 +86,8 @@ class OuterSide:
     self._compute_mesh = compute_mesh
     self._fsdp = fsdp
     self._outer = None  # the outer side's TrainState (no island fields)
-    self._x_shardings = None  # where x lives on the compute devices
+    # Where x and the outer fields live on the compute devices.
+    self._x_shardings = self._compute_shardings = None
     self._compiling = None  # a Future of {attribute: compiled program}
 
   @property
@@ -103,8 +109,9 @@ class OuterSide:
     initialized) to the outer devices; returns the islands' side."""
     outer = outer_part(state)
     self._outer = move(outer, self._outer_shardings(outer))
-    self._x_shardings = state_lib.state_shardings(
-        outer, self._compute_mesh, self._fsdp).global_params
+    self._compute_shardings = state_lib.state_shardings(
+        outer, self._compute_mesh, self._fsdp)
+    self._x_shardings = self._compute_shardings.global_params
     return strip(state)
 
   def assemble(self, state: state_lib.TrainState) -> state_lib.TrainState:
@@ -168,7 +175,8 @@ class RoundOuter(OuterSide):
     """`sync`: outer_step.make_island_sync's on `mesh`."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
-    self._rebased = overlap_lib.rebases(overlap)
+    self._anchored = overlap_lib.anchored(overlap)
+    self._eager = overlap_lib.is_eager(overlap)
     self._restart_dropped = restart_dropped
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
@@ -190,11 +198,25 @@ class RoundOuter(OuterSide):
                                             + int(ends_round))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
+    def eager_reset(state, x, landed, landed_valid, weights, restart, keep):
+      """Eager updates: the islands' own outer steps on the mean that
+      landed, then the next round (x comes along to be evaluated)."""
+      state = outer_step_lib.eager_islands(outer_opt, state, landed,
+                                           landed_valid, weights, keep)
+      return reset(state, x, restart, keep, True)
+
+    def settle(state, x):
+      """The end of an eager run: every island takes x's point and state
+      (the outer state crosses back with x)."""
+      return outer_step_lib.settle_islands(state.replace(global_params=x))
+
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
+    self._eager_reset = jax.jit(eager_reset, donate_argnums=0)
+    self._settle = jax.jit(settle, donate_argnums=0)
     self._finite = jax.jit(guards.islands_finite)
 
   def _compile_all(self, outer, islands_state, weights) -> dict:
-    reference = (islands_state.anchors if self._rebased
+    reference = (islands_state.anchors if self._anchored
                  else outer.global_params)
     compiled = {"_send": self._send.lower(
         outer, islands_state.island_params, weights, reference).compile()}
@@ -212,10 +234,23 @@ class RoundOuter(OuterSide):
     keep = finite & (weights > 0)  # the islands in this round's mean
     island_params = move(state.island_params, self._on_islands)
     outer_weights = move(weights, self._on_islands)
-    if self._rebased:  # each island's a_i
+    if self._anchored:  # each island's a_i (eager: its x_m)
       reference = move(state.anchors, self._on_islands)
     else:  # s_r, the x this round started from
       reference = self._outer.global_params
+    if self._eager:
+      # D(r - 1), which has had this round to arrive, goes to the islands;
+      # x steps on it and the new collective is queued on the outer
+      # devices, which the islands' next round does not wait for.
+      landed = move(self._outer.in_flight, self._x_shardings)
+      landed_valid = move(self._outer.in_flight_valid,
+                          self._compute_shardings.in_flight_valid)
+      self._outer = self._apply(self._outer)
+      x = self._x_on_compute()
+      self._outer = self._send(self._outer, island_params, outer_weights,
+                               reference)
+      return self._eager_reset(state, x, landed, landed_valid, weights,
+                               restart, keep)
     if self._delayed:
       # x_r from the mean that has had this round to arrive; the new
       # collective is queued after it, on the outer devices only, so the
@@ -235,6 +270,11 @@ class RoundOuter(OuterSide):
     self._use_compiled()
     self._outer = self._apply(self._outer)
     nobody = jnp.zeros((state_lib.num_islands(state),), bool)
+    if self._eager:
+      state = self._settle(state.replace(
+          outer_opt_state=move(self._outer.outer_opt_state,
+                               self._compute_shardings.outer_opt_state)),
+                           self._x_on_compute()).replace(outer_opt_state=None)
     return self._reset(state, self._x_on_compute(), nobody, nobody, False)
 
 
@@ -360,7 +400,7 @@ def build(outer_devices, islands: int, compute_mesh,
   sync = outer_step_lib.make_island_sync(
       mesh, compression, rounding_seed,
       stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
-      reference_per_island=overlap_lib.rebases(overlap))
+      reference_per_island=overlap_lib.anchored(overlap))
   if fragments:
     return FragmentOuter(mesh, islands, compute_mesh,
                          outer_opt=outer_opt, sync=sync,

@@ -1,0 +1,181 @@
+"""Eager updates (config.diloco.overlap='eager').
+
+The rule (algorithm/overlap.py): island m sends d_m(r) = x_m(r-1) - y_m
+against its own outer point and steps that point with its own outer state
+at once on D~_m(r) = D(r-1) - u_m(r-1) + u_m(r), u_m(r) = w_m d_m(r) /
+sum_j w_j; it starts round r + 1 from x_m(r). x, the model the run is
+judged by, steps on each mean a round late (the one-step delay's rule),
+and at the end of the run the last mean lands and every island takes x.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import validation
+from diloco_jax.run import train
+from tests import helpers
+from tests import test_checkpoint
+from tests import test_overlap
+
+_nesterov_tree = test_overlap._nesterov_tree  # pylint: disable=protected-access
+
+
+def _per_island(tree, m):
+  return jax.tree.map(lambda v: v[m], tree)
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *v: np.stack(v), *trees)
+
+
+@pytest.mark.parametrize("islands,data,fsdp", [
+    (2, 1, False),  # one island per device slot
+    (4, 1, False),  # folded: several islands per device
+    (2, 2, True),   # sharded: each island's params split over 2 devices
+])
+def test_eager_follows_the_hand_written_rule(islands, data, fsdp):
+  """3 rounds in plain numpy: every island's outer point, outer state and
+  share, and x, with an island left out of round 1 (weight 0) and one
+  diverged in round 2. Float32 sums in another order: rtol 1e-5."""
+  params, mesh, shardings, state, outer, flush = test_overlap._delayed_setup(  # pylint: disable=protected-access
+      islands, data, fsdp, overlap="eager")
+  x = jax.tree.map(np.float32, params)
+  momentum = jax.tree.map(np.zeros_like, x)
+  points = [x] * islands  # x_m
+  momenta = [momentum] * islands
+  shares = [jax.tree.map(np.zeros_like, x)] * islands  # u_m
+  landed = None  # D(r - 1)
+  key = jax.random.key(0)
+  for r in range(3):
+    weights = np.array([1.0, 3.0, 2.0, 2.0][:islands])
+    if r == 1:
+      weights[1] = 0.0  # island 1's round is not synced
+    deltas = jax.tree.map(np.asarray, test_overlap._random_deltas(  # pylint: disable=protected-access
+        jax.random.fold_in(key, r), params, islands))
+    # Each island trains from its own outer point.
+    y = jax.tree.map(lambda *v: np.stack(v), *[
+        jax.tree.map(np.subtract, points[m], _per_island(deltas, m))
+        for m in range(islands)])
+    if r == 2:  # island 0 diverged
+      y = jax.tree.map(lambda v: v.copy(), y)
+      jax.tree.map(lambda v: v.__setitem__(0, np.nan), y)
+    state = test_overlap._set_islands(state, y, shardings)  # pylint: disable=protected-access
+    state = outer(state, test_overlap._weights(weights, mesh))  # pylint: disable=protected-access
+    sends = weights > 0
+    if r == 2:
+      sends[0] = False
+    # The shares use the weights every island knows before the
+    # collective; the mean is over the islands that took part.
+    new_shares = [jax.tree.map(
+        lambda d, m=m: (weights[m] / weights.sum() * d[m] if sends[m]
+                        else np.zeros_like(d[m])), deltas)
+                  for m in range(islands)]
+    w = np.where(sends, weights, 0.0)
+    mean = jax.tree.map(lambda d: np.tensordot(
+        w / w.sum(), np.where(sends.reshape((-1,) + (1,) * (d.ndim - 1)),
+                              d, 0.0), axes=1), deltas)
+    for m in range(islands):
+      update = new_shares[m]
+      if landed is not None:
+        update = jax.tree.map(lambda a, b, c: a - b + c, landed, shares[m],
+                              update)
+      if landed is not None or sends[m]:
+        points[m], momenta[m] = _nesterov_tree(points[m], momenta[m], update)
+    if landed is not None:  # x steps on D(r - 1) as it lands
+      x, momentum = _nesterov_tree(x, momentum, landed)
+    shares, landed = new_shares, mean
+    helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(state.anchors, _stack(points), rtol=1e-5,
+                               atol=1e-6)
+    helpers.assert_trees_close(state.own_shares, _stack(shares), rtol=1e-5,
+                               atol=1e-7)
+    helpers.assert_trees_close(state.island_outer_opt_state[0].trace,
+                               _stack(momenta), rtol=1e-5, atol=1e-6)
+    # Every island starts the next round from its own point.
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.device_get(state.anchors),
+                 jax.device_get(state.island_params))
+    if r == 0:  # nothing lands in round 0: x stays
+      helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
+  state = flush(state)
+  x, momentum = _nesterov_tree(x, momentum, landed)
+  helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
+  stacked = jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
+                         jax.device_get(state.global_params))
+  for tree in (state.island_params, state.anchors):
+    helpers.assert_trees_close(tree, stacked, rtol=0, atol=0)
+  helpers.assert_trees_close(
+      state.island_outer_opt_state[0].trace,
+      jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
+                   momentum), rtol=1e-5, atol=1e-6)
+  assert not bool(state.in_flight_valid)
+  assert not any(np.any(leaf) for leaf in jax.tree.leaves(
+      jax.device_get(state.own_shares)))
+  assert all(np.isfinite(leaf).all()
+             for leaf in jax.tree.leaves(jax.device_get(state)))
+
+
+# Runs.
+
+
+def _config(**overrides):
+  return test_overlap._config(**{"diloco.overlap": "eager", **overrides})  # pylint: disable=protected-access
+
+
+def test_one_island_eager_is_diloco_without_overlap(tmp_path):
+  """With one island D(r-1) - u(r-1) is exactly 0 and u(r) is exactly the
+  mean DiLoCo applies at once (checked bit for bit each round): the island
+  trains through DiLoCo's points, and the last mean lands in x at the end.
+
+  The two outer steps are different XLA programs, which fuse the
+  optimizer's multiply-adds differently (one rounding or two): x and the
+  momentum drift by an ulp per round (measured 6e-8 after 3 rounds), so
+  the run is compared to 1e-6 in its losses and 1e-5 in its state."""
+  one = {"diloco.islands": 1}
+  eager = train.train_and_evaluate(_config(**one), str(tmp_path / "eager"))
+  plain = train.train_and_evaluate(
+      _config(**one, **{"diloco.overlap": "none"}), str(tmp_path / "plain"))
+  np.testing.assert_allclose(eager["final_eval_loss"],
+                             plain["final_eval_loss"], rtol=1e-6)
+  eager_state = test_checkpoint._final_state(str(tmp_path / "eager"))  # pylint: disable=protected-access
+  plain_state = test_checkpoint._final_state(str(tmp_path / "plain"))  # pylint: disable=protected-access
+  for field in ("global_params", "island_params", "inner_opt_state",
+                "outer_opt_state"):
+    helpers.assert_trees_close(eager_state[field], plain_state[field],
+                               rtol=1e-5, atol=1e-6)
+  losses = lambda run: [record["train_loss"] for record in
+                        test_checkpoint._metrics(str(tmp_path / run))]  # pylint: disable=protected-access
+  np.testing.assert_allclose(losses("eager"), losses("plain"), rtol=1e-6)
+
+
+def test_one_island_s_eager_update_is_its_mean_bit_for_bit():
+  """Each round, the one island's update D~ = D(r-1) - u(r-1) + u(r) is
+  the mean of its round to the last bit (what DiLoCo applies at once)."""
+  params, mesh, shardings, state, outer, _ = test_overlap._delayed_setup(  # pylint: disable=protected-access
+      1, overlap="eager")
+  weights = test_overlap._weights([3.0], mesh)  # pylint: disable=protected-access
+  for r in range(3):
+    start = jax.tree.map(lambda a: a[0], jax.device_get(state.anchors))
+    y = jax.tree.map(np.asarray, test_overlap._islands_moved(  # pylint: disable=protected-access
+        start, test_overlap._random_deltas(jax.random.key(r), params, 1)))  # pylint: disable=protected-access
+    state = outer(test_overlap._set_islands(state, y, shardings), weights)  # pylint: disable=protected-access
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(lambda v: v[None], jax.device_get(
+                     state.in_flight)), jax.device_get(state.own_shares))
+
+
+def test_resume_with_a_mean_in_flight_is_exact(tmp_path):
+  """Killed at step 8, mid-round 3: round 2's mean in flight, the islands'
+  own points, outer states and shares saved; the resumed run ends where
+  the whole one does, bit for bit."""
+  whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+  summary = train.train_and_evaluate(_config(), whole)
+  assert summary["overlap"] == "eager"
+  test_checkpoint.forget_after(whole, resumed, 8)
+  saved = test_checkpoint._final_state(resumed)  # pylint: disable=protected-access
+  assert saved["in_flight_valid"]
+  train.train_and_evaluate(_config(), resumed)
+  test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
