@@ -29,7 +29,9 @@ from tests import test_streaming
     ("none", "fp32", False), ("none", "int8", True),
     ("one_step_delay", "fp32", False), ("one_step_delay", "int8", True),
     # The anchors cross to the outer device; the islands rebase at home.
-    ("one_step_delay_rebase", "int8", True)])
+    ("one_step_delay_rebase", "int8", True),
+    # The landed mean comes back; the islands step their own points.
+    ("eager", "int8", True)])
 def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                                       error_feedback):
   islands = 4
@@ -221,12 +223,14 @@ def test_a_streaming_run_with_its_sends_on_their_own_device_equals_on_device(
   test_checkpoint._assert_identical_runs(host, resumed)  # pylint: disable=protected-access
 
 
-def test_resume_moves_the_outer_state_either_way(tmp_path):
+@pytest.mark.parametrize("overlap", ["one_step_delay_rebase", "eager"])
+def test_resume_moves_the_outer_state_either_way(tmp_path, overlap):
   """Checkpoints are the same pytree whatever the placement: a run saved
   on the device resumes with the outer step on the host, mid-round, with a
-  mean in flight and the islands' anchors (the rebasing delay), and ends
-  as the uninterrupted run."""
-  delayed = {"diloco.overlap": "one_step_delay_rebase"}
+  mean in flight and the islands' anchors (the rebasing delay; eager: the
+  islands' own outer points, states and shares), and ends as the
+  uninterrupted run."""
+  delayed = {"diloco.overlap": overlap}
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
   train.train_and_evaluate(_config(**delayed), whole)
   test_checkpoint.forget_after(whole, resumed, 8)

@@ -199,6 +199,10 @@ _RUNS = {
     # each island's progress (an update in flight and anchors per stage).
     "diloco": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
                "diloco.overlap": "one_step_delay_rebase"},
+    # Eager updates: each stage steps its islands' own outer points with
+    # their own outer states, per stage.
+    "eager": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
+              "diloco.overlap": "eager"},
     "ddp": {"mode": "ddp"},
     # From a pretrained worker: the warm start reads a logical checkpoint
     # into the stages.
@@ -235,7 +239,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name,stages,staged", [
     ("diloco", 2, "S2"), ("diloco", 4, "S4"),
-    ("diloco", 2, "S2-data2-fsdp"), ("ddp", 2, "S2"), ("single", 2, "S2"),
+    ("diloco", 2, "S2-data2-fsdp"), ("eager", 2, "S2"), ("ddp", 2, "S2"),
+    ("single", 2, "S2"),
 ])
 def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
   reference, reference_summary = runs(name, 1)

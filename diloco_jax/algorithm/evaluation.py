@@ -4,6 +4,7 @@ programs over the state."""
 import jax
 import jax.numpy as jnp
 
+from diloco_jax.algorithm import outer_step
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.inner_step import LossFn
 from diloco_jax.algorithm.state import TrainState
@@ -24,7 +25,9 @@ def make_evaluate(loss_fn: LossFn, mode: str):
   """Builds evaluate(state, batch) -> mean loss of state.evaluation_params.
 
   The eval batch is split over the islands. DiLoCo's x is on every island
-  already. ddp and single keep their islands identical, so each island
+  already; with eager updates x is the islands' average point
+  (outer_step.eager_consensus: an fp32 mean over the islands per eval
+  batch, as an eval-only cost). ddp and single keep their islands identical, so each island
   scores its own share with its own params: island 0's params never cross
   the island link (a slice y[0] would send them to every other island, a
   full copy of the model per eval batch), only the per-island losses do.
@@ -32,6 +35,8 @@ def make_evaluate(loss_fn: LossFn, mode: str):
 
   def evaluate(state: TrainState, batch: jax.Array) -> jax.Array:
     if mode == "diloco":
+      if state.own_shares is not None:  # eager updates
+        return loss_fn(outer_step.eager_consensus(state)[0], batch)
       return loss_fn(state.global_params, batch)
     islands = state_lib.num_islands(state)
     shares = batch.reshape((islands, -1) + batch.shape[1:])

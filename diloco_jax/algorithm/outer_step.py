@@ -196,8 +196,9 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   `landed_valid`, whether it holds one), u_m(r-1) the share kept in
   `state`, and u_m(r) its fresh pseudo-gradient x_m - y_m weighted by
   `weights` [islands] if it is in `sends` [islands] (it has weight and a
-  finite pseudo-gradient). An island with nothing to apply (no mean landed
-  and no share of its own) keeps its x_m and outer state.
+  finite pseudo-gradient). An island whose D~_m is exactly zero (no mean
+  landed and no share of its own) keeps its x_m and outer state: momentum
+  alone would move it.
 
   Returns `state` with x_m(r) as the anchors (next_round starts the
   islands from them), the islands' outer states and u_m(r).
@@ -208,16 +209,61 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   shares = overlap_lib.own_shares(pseudo_grads, weights, sends)
   updates = overlap_lib.eager_updates(landed, landed_valid, state.own_shares,
                                       shares)
-
-  def one_island(x, opt_state, update, takes_effect):
-    return outer_update(outer_opt, x, opt_state, update, takes_effect,
-                        stages)
-
-  anchors, outer_states = jax.vmap(one_island)(
-      state.anchors, state.island_outer_opt_state, updates,
-      sends | landed_valid)
+  anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
+                                              stages)
   return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
                        own_shares=shares)
+
+
+def _island_outer_steps(outer_opt, state: TrainState, updates, stages: int):
+  """(x_m, outer states) after every island's own outer step on its
+  `updates` [islands, ...]; an island whose update is zero does not step."""
+  def one_island(x, opt_state, update):
+    moves = jnp.any(jnp.stack([jnp.any(u != 0)
+                               for u in jax.tree.leaves(update)]))
+    return outer_update(outer_opt, x, opt_state, update, moves, stages)
+
+  return jax.vmap(one_island)(state.anchors, state.island_outer_opt_state,
+                              updates)
+
+
+def eager_consensus(state: TrainState):
+  """(x, outer state): the islands' average outer point and outer state,
+  the model an eager run is judged by (traceable). Computing it is a
+  full-precision mean over the islands (an fp32 all-reduce of the params
+  across the island link), so runs take it to evaluate and at the end,
+  never in a round."""
+  def mean(tree):
+    return jax.tree.map(
+        lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
+                   if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
+        tree)
+  return mean(state.anchors), mean(state.island_outer_opt_state)
+
+
+def settle_eager(outer_opt: optax.GradientTransformation,
+                 state: TrainState, stages: int = 1) -> TrainState:
+  """The end of an eager run (traceable): the last mean lands and each
+  island steps its point on the rest of it, D(R) - u_m(R) (the rule's
+  next round, with no share of its own; exactly zero with one island).
+  Then every island, x and the outer state become the islands' average
+  (`eager_consensus`), so the islands agree again and a run extended later
+  starts anew; the slot in flight and the shares are spent."""
+  updates = overlap_lib.eager_updates(
+      state.in_flight, state.in_flight_valid, state.own_shares,
+      jax.tree.map(jnp.zeros_like, state.own_shares))
+  anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
+                                              stages)
+  state = state.replace(anchors=anchors, island_outer_opt_state=outer_states)
+  x, outer_state = eager_consensus(state)
+  islands = state_lib.num_islands(state)
+  return state.replace(
+      global_params=x, outer_opt_state=outer_state,
+      anchors=state_lib.stack_islands(x, islands),
+      island_outer_opt_state=state_lib.stack_islands(outer_state, islands),
+      own_shares=jax.tree.map(jnp.zeros_like, state.own_shares),
+      in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
+      in_flight_valid=jnp.zeros((), jnp.bool_))
 
 
 def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
@@ -248,20 +294,6 @@ def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
         state.island_params, state.anchors, x, keep)
   return state.replace(global_params=x, island_params=island_params,
                        anchors=anchors, inner_opt_state=inner_opt_state)
-
-
-def settle_islands(state: TrainState) -> TrainState:
-  """Eager updates at the end of a run: every island's own outer point and
-  state become x's and its share is spent (the means have all landed in
-  x), so the islands agree again. Other overlaps: `state` unchanged."""
-  if state.own_shares is None:
-    return state
-  islands = state_lib.num_islands(state)
-  return state.replace(
-      anchors=state_lib.stack_islands(state.global_params, islands),
-      island_outer_opt_state=state_lib.stack_islands(state.outer_opt_state,
-                                                     islands),
-      own_shares=jax.tree.map(jnp.zeros_like, state.own_shares))
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
@@ -311,12 +343,13 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   dropped by the next rebase. An island left out of the mean (weight 0 or
   diverged) starts from x_r alone.
 
-  With `overlap` 'eager' x follows the one-step delay's rule (x_r steps on
-  D(r - 1)), while each island steps its own outer point at once on its
-  fresh pseudo-gradient and the others' mean a round late
+  With `overlap` 'eager' each island steps its own outer point at once on
+  its fresh pseudo-gradient and the others' mean a round late
   (`eager_islands`) and starts round r + 1 from it; its pseudo-gradient is
-  taken against that point (its anchor). A diverged island starts from
-  its own point with a fresh inner state.
+  taken against that point (its anchor). A diverged island starts from its
+  own point with a fresh inner state. x, the islands' average point
+  (`eager_consensus`), is not formed in a round: the run forms it to
+  evaluate and at the end.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
@@ -333,7 +366,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     # s_r (or the anchors), before a delayed mean moves x to x_r.
     reference = state.anchors if anchored else state.global_params
     landed, landed_valid = state.in_flight, state.in_flight_valid
-    if delayed:
+    if delayed and not eager:
       state = apply_in_flight(outer_opt, state, stages)
     state, included, finite = receive(outer_opt, sync, delayed, state,
                                       state.island_params, weights, reference,
@@ -359,16 +392,18 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   The mean still in flight after the last round is received and applied
   (x_R = OuterOpt(x_{R-1}, D(R - 1))), every island is set to the final x
   (with the rebasing delay, its anchor too: the last round's progress is
-  in x_R; with eager updates, its own outer point and state become x_R's
-  and its share is spent), and the slot is emptied, so a run extended
-  later starts its delay anew. `state` is donated.
+  in x_R), and the slot is emptied, so a run extended later starts its
+  delay anew. With eager updates the islands settle instead
+  (`settle_eager`). `state` is donated.
   """
 
   stages = mesh.shape[STAGE]
 
   def flush(state: TrainState) -> TrainState:
-    state = apply_in_flight(outer_opt, state, stages)
-    state = settle_islands(state)
+    if state.own_shares is not None:  # eager updates
+      state = settle_eager(outer_opt, state, stages)
+    else:
+      state = apply_in_flight(outer_opt, state, stages)
     nobody = jnp.zeros((state_lib.num_islands(state),), jnp.bool_)
     state = next_round(state, state.global_params, nobody, nobody)
     return state_lib.constrain_state(state, mesh, fsdp)

@@ -26,8 +26,10 @@ config.diloco.overlap:
                             taken against x_m(r-1) (its anchor). When D(r)
                             lands, its others' part replaces the island's
                             u_m(r) in the next D~; nothing is recomputed.
-                            x, the model the run is judged by, follows
-                            the one-step delay's rule on the same means.
+                            x, the model the run is judged by, is the
+                            islands' average point, formed to evaluate and
+                            at the end (after the rest of the last mean,
+                            D(R) - u_m(R), is applied the same way).
 
 The outer steps that follow these rules are outer_step.py's.
 """

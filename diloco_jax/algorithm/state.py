@@ -297,6 +297,9 @@ def resize_islands(state: TrainState, num_islands: int,
 def evaluation_params(state: TrainState, mode: str):
   """The params a run is judged by: x for DiLoCo, island 0's otherwise.
 
+  (Mid-run, an eager run's x is its islands' average point, which
+  outer_step.eager_consensus forms; its state holds it once settled.)
+
   `single` has one island and `ddp` keeps its islands identical, so island 0
   is their model. Call inside jit so XLA moves the slice where it is needed.
   """

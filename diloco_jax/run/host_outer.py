@@ -198,21 +198,29 @@ class RoundOuter(OuterSide):
                                             + int(ends_round))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
-    def eager_reset(state, x, landed, landed_valid, weights, restart, keep):
+    def eager_reset(state, landed, landed_valid, weights, restart, keep):
       """Eager updates: the islands' own outer steps on the mean that
-      landed, then the next round (x comes along to be evaluated)."""
+      landed, then the next round (x is not formed in a round)."""
       state = outer_step_lib.eager_islands(outer_opt, state, landed,
                                            landed_valid, weights, keep)
-      return reset(state, x, restart, keep, True)
+      return reset(state, state.global_params, restart, keep, True)
 
-    def settle(state, x):
-      """The end of an eager run: every island takes x's point and state
-      (the outer state crosses back with x)."""
-      return outer_step_lib.settle_islands(state.replace(global_params=x))
+    def settle(state, landed, landed_valid, outer_state):
+      """The end of an eager run, on the islands (outer_step.settle_eager;
+      the outer state comes along to take the islands' average)."""
+      state = outer_step_lib.settle_eager(outer_opt, state.replace(
+          in_flight=landed, in_flight_valid=landed_valid,
+          outer_opt_state=outer_state))
+      return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
     self._eager_reset = jax.jit(eager_reset, donate_argnums=0)
     self._settle = jax.jit(settle, donate_argnums=0)
+    self._spend = jax.jit(lambda outer, x, outer_state: constrain(
+        outer.replace(
+            global_params=x, outer_opt_state=outer_state,
+            in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
+            in_flight_valid=jnp.zeros((), jnp.bool_))))
     self._finite = jax.jit(guards.islands_finite)
 
   def _compile_all(self, outer, islands_state, weights) -> dict:
@@ -220,7 +228,7 @@ class RoundOuter(OuterSide):
                  else outer.global_params)
     compiled = {"_send": self._send.lower(
         outer, islands_state.island_params, weights, reference).compile()}
-    if self._delayed:
+    if self._delayed and not self._eager:
       compiled["_apply"] = self._apply.lower(outer).compile()
     return compiled
 
@@ -240,16 +248,12 @@ class RoundOuter(OuterSide):
       reference = self._outer.global_params
     if self._eager:
       # D(r - 1), which has had this round to arrive, goes to the islands;
-      # x steps on it and the new collective is queued on the outer
-      # devices, which the islands' next round does not wait for.
-      landed = move(self._outer.in_flight, self._x_shardings)
-      landed_valid = move(self._outer.in_flight_valid,
-                          self._compute_shardings.in_flight_valid)
-      self._outer = self._apply(self._outer)
-      x = self._x_on_compute()
+      # the new collective is queued on the outer devices, which the
+      # islands' next round does not wait for.
+      landed, landed_valid = self._landed()
       self._outer = self._send(self._outer, island_params, outer_weights,
                                reference)
-      return self._eager_reset(state, x, landed, landed_valid, weights,
+      return self._eager_reset(state, landed, landed_valid, weights,
                                restart, keep)
     if self._delayed:
       # x_r from the mean that has had this round to arrive; the new
@@ -268,14 +272,29 @@ class RoundOuter(OuterSide):
   def flush(self, state: state_lib.TrainState):
     """The end of a one-step-delay run: the last mean is applied."""
     self._use_compiled()
-    self._outer = self._apply(self._outer)
     nobody = jnp.zeros((state_lib.num_islands(state),), bool)
     if self._eager:
-      state = self._settle(state.replace(
-          outer_opt_state=move(self._outer.outer_opt_state,
-                               self._compute_shardings.outer_opt_state)),
-                           self._x_on_compute()).replace(outer_opt_state=None)
+      # The last mean lands on the islands, which settle on their average;
+      # x and the outer state go back to the outer side.
+      landed, landed_valid = self._landed()
+      outer_state = move(self._outer.outer_opt_state,
+                         self._compute_shardings.outer_opt_state)
+      state = self._settle(state, landed, landed_valid, outer_state)
+      targets = self._outer_shardings(self._outer)
+      self._outer = self._spend(
+          self._outer, move(state.global_params, targets.global_params),
+          move(state.outer_opt_state, targets.outer_opt_state))
+      return self._reset(strip(state), state.global_params, nobody, nobody,
+                         False)
+    self._outer = self._apply(self._outer)
     return self._reset(state, self._x_on_compute(), nobody, nobody, False)
+
+  def _landed(self):
+    """The mean in flight (and whether it holds one), on the compute
+    devices: eager islands step on it themselves."""
+    return (move(self._outer.in_flight, self._x_shardings),
+            move(self._outer.in_flight_valid,
+                 self._compute_shardings.in_flight_valid))
 
 
 class FragmentOuter(OuterSide):
