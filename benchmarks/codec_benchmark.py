@@ -34,6 +34,7 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import communication
@@ -98,7 +99,8 @@ def _outer_steps(config, names, params, shapes) -> None:
   islands = _ISLANDS.value
   print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   mesh = mesh_lib.build_mesh(islands)
-  outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
+  outer_opt = optimizers.outer_optimizer(
+      overlap_defaults.resolve(config).diloco.outer_optimizer)
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   fp32_bytes = communication.island_mean_bytes(shapes, islands)
   baseline = None

@@ -82,6 +82,7 @@ class InnerSteps:
     from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
     from diloco_jax.algorithm import outer_step as outer_step_lib
     from diloco_jax.algorithm import state as state_lib
+    from diloco_jax.config import overlap_defaults
     from diloco_jax.model import transformer as model_lib
     from diloco_jax.parallel import mesh as mesh_lib
     self.tokens_per_step = islands * batch_size * config.data.sequence_length
@@ -90,7 +91,8 @@ class InnerSteps:
                                 model_lib.graphdef(config.model))
     inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
                                            config.total_steps)
-    outer_opt = optimizers.outer_optimizer(config.diloco.outer_optimizer)
+    outer_opt = optimizers.outer_optimizer(
+        overlap_defaults.resolve(config).diloco.outer_optimizer)
     init = lambda seed: state_lib.init_state(
         model_lib.new_params(config.model, seed), inner_opt, outer_opt,
         islands)

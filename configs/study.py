@@ -6,8 +6,9 @@ size where a point x seed takes about a minute on 2 CPU cores.
 
 As in the paper, every run starts from one model pretrained as a single
 worker (here 100 of the 400 steps; the paper: 24k of 88k), then DiLoCo runs
-4 islands with H=25 (12 rounds) and the outer Nesterov optimizer (lr 0.7,
-momentum 0.9). The model is a 2-layer byte-level transformer on the embedded
+4 islands with H=25 (12 rounds) and the outer Nesterov optimizer at the
+overlap mode's defaults (lr 0.7, momentum 0.9 without overlap;
+config/overlap_defaults.py). The model is a 2-layer byte-level transformer on the embedded
 corpus. `quick` is a seconds-long version on the synthetic corpus that
 the tests run.
 """
@@ -40,8 +41,6 @@ def _full_size():
   config.diloco.islands = 4
   config.diloco.inner_steps = 25
   config.diloco.outer_optimizer.name = "nesterov"
-  config.diloco.outer_optimizer.learning_rate = 0.7
-  config.diloco.outer_optimizer.momentum = 0.9
 
   config.inner_optimizer.learning_rate = 3e-3
   config.inner_optimizer.warmup_steps = 20

@@ -237,7 +237,7 @@ def test_nesterov_outer_update_matches_optax_reference():
 def test_every_outer_optimizer_runs_and_moves_params(name):
   config = config_schema.base_config().diloco.outer_optimizer
   config.name = name
-  config.learning_rate = 0.5
+  config.learning_rate, config.momentum = 0.5, 0.9
   batches = helpers.random_batches(2, 2, 2)
   state = _run_diloco(2, 1, rounds=1, inner_steps=2, batches=batches,
                       outer=optimizers.outer_optimizer(config))

@@ -8,6 +8,7 @@ Each section is built by its own function below; validation.py checks them.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 MODES = ("diloco", "ddp", "single")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "momentum", "adam")
@@ -144,8 +145,11 @@ def _outer_optimizer() -> Section:
   """config.diloco.outer_optimizer: the step on x once per round."""
   return Section({
       "name": "nesterov",  # see OUTER_OPTIMIZERS
-      "learning_rate": 0.7,
-      "momentum": 0.9,  # nesterov / momentum
+      # Unset (None): the overlap mode's default (config/overlap_defaults.py:
+      # Nesterov 0.7 / 0.9 without overlap; a stale mean needs less
+      # momentum), filled in when the config is validated.
+      "learning_rate": config_dict.placeholder(float),
+      "momentum": config_dict.placeholder(float),  # nesterov / momentum
       "b1": 0.9,  # adam
       "b2": 0.999,  # adam
       # DiLoCo found outer Adam unstable unless eps is large (~0.1).

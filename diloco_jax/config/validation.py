@@ -13,6 +13,7 @@ diloco_checks.py's.
 from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import diloco_checks
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import pipeline_checks
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
@@ -63,10 +64,14 @@ _FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
 def validate_config(config, num_devices: int) -> run_config.RunConfig:
   """The checked `config` as a RunConfig; ConfigError listing every problem.
 
+  The RunConfig holds `config` with unset defaults filled in
+  (overlap_defaults.resolve); `config` itself is not changed.
+
   Args:
     config: a config built from `config_schema.base_config()`.
     num_devices: how many devices the mesh can be built from.
   """
+  config = overlap_defaults.resolve(config)
   problems = Problems()
   problems.require(
       config.mode in config_schema.MODES, "mode",

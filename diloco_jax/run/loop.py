@@ -23,6 +23,7 @@ from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
+from diloco_jax.run import overlap_watch
 from diloco_jax.run import placing
 from diloco_jax.run import progress as progress_lib
 from diloco_jax.run import records
@@ -103,6 +104,9 @@ class TrainingLoop:
     params)."""
     config = setup.config
     self._setup, self._config = setup, config
+    self._rising_loss = overlap_watch.RisingLossWatch(
+        config.diloco.overlap if config.mode == "diloco" else "none",
+        config.diloco.outer_optimizer)
     self._checkpointer, self._writer = checkpointer, writer
     self._signals, self._source = signals, source
     self._launch_time = launch_time
@@ -252,6 +256,7 @@ class TrainingLoop:
                                  float(self._learning_rates[step - 1]))
     if evaluating:
       self._eval_loss = self._mean_eval_loss()
+      self._rising_loss.observe(step, self._eval_loss)
       record.update(records.eval_record(self._eval_loss,
                                         config.data.tokenizer == "byte"))
       if self._programs.evaluate_island_mean is not None:

@@ -16,6 +16,7 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import stages as stages_lib
@@ -91,6 +92,7 @@ def for_config(config, islands: int | None = None,
     islands: the logical islands (default: the config's effective count).
     compression: the config's codec if already built (RunConfig's).
   """
+  config = overlap_defaults.resolve(config)  # unset outer settings
   mode, diloco = config.mode, config.diloco
   if compression is None and mode == "diloco":
     compression = run_config_lib.compression(diloco)

@@ -1,0 +1,49 @@
+"""The outer optimizer's defaults per overlap mode.
+
+A one-round-stale mean under heavy Nesterov momentum overshoots: with the
+one-step delay at lr 0.7, momentum 0.9 (DiLoCo's setting) x's eval loss
+falls for two rounds, then oscillates and climbs. A linear model of a round
+(each round covers a fraction of the way to the optimum) puts the delayed
+iteration's spectral radius above 1 there and below 1 without the delay.
+So each overlap mode has its own (learning rate, momentum) for outer
+Nesterov, measured by experiments/overlap_sweep.py (configs/study.py,
+3 seeds), used when a config leaves config.diloco.outer_optimizer.
+learning_rate or momentum unset (None). Values a config or flag sets are
+kept as they are.
+"""
+
+import ml_collections
+
+# (learning rate, momentum) of outer Nesterov per config.diloco.overlap.
+NESTEROV_DEFAULTS = {
+    "none": (0.7, 0.9),
+    "one_step_delay": (0.8, 0.0),
+    "one_step_delay_rebase": (1.0, 0.0),
+    "eager": (0.7, 0.9),
+}
+# Other outer optimizers ('sgd', 'momentum', 'adam') are not overlap-tuned.
+OTHER_DEFAULTS = NESTEROV_DEFAULTS["none"]
+
+
+def outer_defaults(optimizer: str, overlap: str) -> tuple[float, float]:
+  """(learning rate, momentum) an unset outer optimizer field takes."""
+  if optimizer == "nesterov":
+    return NESTEROV_DEFAULTS.get(overlap, NESTEROV_DEFAULTS["none"])
+  return OTHER_DEFAULTS
+
+
+def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with the outer optimizer's unset learning rate and momentum
+  set to the overlap mode's defaults (a copy; `config` is unchanged)."""
+  outer = config.diloco.outer_optimizer
+  if outer.learning_rate is not None and outer.momentum is not None:
+    return config
+  resolved = config.copy_and_resolve_references()
+  outer = resolved.diloco.outer_optimizer
+  learning_rate, momentum = outer_defaults(outer.name,
+                                           resolved.diloco.overlap)
+  if outer.learning_rate is None:
+    outer.learning_rate = learning_rate
+  if outer.momentum is None:
+    outer.momentum = momentum
+  return resolved
