@@ -2,7 +2,7 @@ r"""DiLoCo variants over a real, rate-limited link between processes (root).
 
   sudo .venv/bin/python benchmarks/shaped_links.py \
       [--bandwidths_mbit=1000,100] \
-      [--modes=ddp,diloco,overlap_host,streaming_host] \
+      [--modes=ddp,diloco,overlap_host,eager_host,streaming_host] \
       [--codecs=fp32,int8] [--steps=60] [--ddp_steps=30] [--inner_steps=10]
       [--out=res.json]
 
@@ -73,9 +73,10 @@ _PROCESSES = flags.DEFINE_integer("processes", 2,
 _BANDWIDTHS = flags.DEFINE_list("bandwidths_mbit", ["1000", "100", "10"],
                                 "Link rates to measure, Mbit/s.")
 _MODES = flags.DEFINE_list(
-    "modes", ["ddp", "diloco", "overlap_host", "streaming_host"],
+    "modes", ["ddp", "diloco", "overlap_host", "eager_host", "streaming_host"],
     "ddp | diloco (overlap none) | overlap_host (one_step_delay, outer step "
-    "on a host device) | streaming (fragments/fragment_delay, on the "
+    "on a host device) | eager_host (eager updates, the collective on a host "
+    "device) | streaming (fragments/fragment_delay, on the "
     "compute devices) | streaming_host (the same, sends on a host device).")
 _CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
                             "config.diloco.codec values (ddp: fp32 only; it "
@@ -204,8 +205,9 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
   if mode == "ddp":
     return ["--config.mode=ddp"]
   f.append("--config.mode=diloco")
-  if mode == "overlap_host":
-    f += ["--config.diloco.overlap=one_step_delay",
+  if mode in ("overlap_host", "eager_host"):
+    overlap = "eager" if mode == "eager_host" else "one_step_delay"
+    f += [f"--config.diloco.overlap={overlap}",
           "--config.diloco.outer_placement=host"]
   elif mode in ("streaming", "streaming_host"):
     f += [f"--config.diloco.fragments={_FRAGMENTS.value}",

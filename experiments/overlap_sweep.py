@@ -11,7 +11,7 @@ lr 0.7, momentum 0.9. A one-round-stale mean under momentum 0.9 overshoots
 What wins here is each mode's default (config/overlap_defaults.py), used
 when a run does not set the outer lr or momentum itself.
 
-Full run: 13 points x 3 seeds; the runs take about 40 minutes on 2 CPU cores.
+Full run: 14 points x 3 seeds; the runs take about 45 minutes on 2 CPU cores.
 """
 
 from experiments import plots
@@ -23,7 +23,7 @@ GRID = {
     "one_step_delay": ((0.5, 0.0), (0.8, 0.0), (0.3, 0.5), (0.5, 0.5)),
     "one_step_delay_rebase": ((0.8, 0.0), (1.0, 0.0), (0.5, 0.5),
                               (0.7, 0.5)),
-    "eager": ((0.7, 0.9), (1.0, 0.0), (0.7, 0.5), (1.0, 0.5), (0.5, 0.7)),
+    "eager": ((0.7, 0.9), (0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (0.5, 0.7)),
 }
 
 

@@ -62,6 +62,8 @@ class Study:
     plot: plot(results, path) writes the PNG.
     quick_points: the names --quick runs (default: all).
     base_overrides: applied to configs/study.py before each point's.
+    report: report(results) -> markdown written below the table (more
+      columns a study needs), or None.
   """
   name: str
   title: str
@@ -71,6 +73,7 @@ class Study:
   plot: Callable
   quick_points: tuple | None = None
   base_overrides: dict = dataclasses.field(default_factory=dict)
+  report: Callable | None = None
 
 
 def base_config(study: Study, quick: bool):
@@ -167,9 +170,17 @@ def write_results(study: Study, results: dict, out_dir: str) -> dict:
     json.dump(results, f, indent=2, sort_keys=True)
   os.replace(paths["json"] + ".tmp", paths["json"])
   with open(paths["md"], "w") as f:
-    f.write(tables.markdown_table(results) + "\n")
+    f.write(study_markdown(study, results) + "\n")
   study.plot(results, paths["png"])
   return paths
+
+
+def study_markdown(study: Study, results: dict) -> str:
+  """The study's markdown: the table, and its report below it."""
+  text = tables.markdown_table(results)
+  if study.report is not None:
+    text += "\n\n" + study.report(results)
+  return text
 
 
 def run_study(study: Study, runs_dir: str, seeds: list[int], quick: bool,
@@ -185,7 +196,7 @@ def run_study(study: Study, runs_dir: str, seeds: list[int], quick: bool,
   results = tables.summarize(study, runs, seeds, quick, points)
   results["study_wall_s"] = time.perf_counter() - start
   paths = write_results(study, results, out_dir)
-  print("\n" + tables.markdown_table(results))
+  print("\n" + study_markdown(study, results))
   print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']} "
         f"({results['study_wall_s'] / 60:.1f} min this time; the runs took "
         f"{results['runs_wall_s'] / 60:.1f} min in all)")

@@ -140,7 +140,9 @@ def test_one_island_eager_is_diloco_without_overlap(tmp_path):
   optimizer's multiply-adds differently (one rounding or two): x and the
   momentum drift by an ulp per round (measured 6e-8 after 3 rounds), so
   the run is compared to 1e-6 in its losses and 1e-5 in its state."""
-  one = {"diloco.islands": 1}
+  # The same outer step for both (each overlap has its own default).
+  one = {"diloco.islands": 1, "diloco.outer_optimizer.learning_rate": 0.7,
+         "diloco.outer_optimizer.momentum": 0.9}
   eager = train.train_and_evaluate(_config(**one), str(tmp_path / "eager"))
   plain = train.train_and_evaluate(
       _config(**one, **{"diloco.overlap": "none"}), str(tmp_path / "plain"))

@@ -416,13 +416,18 @@ def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
      "--config.mesh.fsdp=True", "--config.model.d_model=64",
      "--config.model.num_heads=4", "--config.model.head_dim=16",
      "--config.model.mlp_dim=256", "--config.diloco.codec=int8"),
+    # Eager updates: the landed mean comes back to each process's islands,
+    # which step their own outer points with error feedback in the codec.
+    ("--config.diloco.overlap=eager", "--config.total_steps=6",
+     "--config.diloco.codec=int8", "--config.diloco.error_feedback=True"),
     ("--config.model.num_layers=2", "--config.diloco.fragments=2",
      "--config.diloco.fragment_delay=1", "--config.total_steps=6",
      "--config.mesh.data=2", "--config.mesh.fsdp=True",
      "--config.model.d_model=64", "--config.model.num_heads=4",
      "--config.model.head_dim=16", "--config.model.mlp_dim=256",
      "--config.diloco.codec=int8")],
-                         ids=["fsdp_one_step_delay", "fsdp_streaming"])
+                         ids=["fsdp_one_step_delay", "eager_ef",
+                              "fsdp_streaming"])
 def test_the_outer_step_on_each_process_own_device(tmp_path, overlap):
   # outer_placement='host' on 2 processes: each sets a CPU device aside for
   # the outer side, takes its own islands there (no collective; with FSDP

@@ -21,11 +21,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
 from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import overlap_watch
 from diloco_jax.run import train
 from tests import helpers
 from tests import test_checkpoint
@@ -313,7 +316,9 @@ def _config(**overrides):
 def test_one_round_delayed_ends_where_plain_diloco_does(tmp_path):
   """With a single round the only update is applied at the end: the same
   x as plain DiLoCo's one outer step."""
-  one_round = {"total_steps": 3}
+  # The same outer step for both (each overlap has its own default).
+  one_round = {"total_steps": 3, "diloco.outer_optimizer.learning_rate": 0.7,
+               "diloco.outer_optimizer.momentum": 0.9}
   delayed = train.train_and_evaluate(_config(**one_round),
                                      str(tmp_path / "delayed"))
   plain = train.train_and_evaluate(
@@ -342,7 +347,61 @@ def test_resume_with_an_update_in_flight_is_exact(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"diloco.overlap": "async"}, "config.diloco.overlap='async' is not one"),
     ({"mode": "ddp"}, "config.diloco.overlap='one_step_delay' overlaps"),
+    ({"diloco.overlap": "eager", "diloco.fragments": 1,
+      "diloco.fragment_delay": 1},
+     "config.diloco.overlap='eager' and Streaming DiLoCo"),
 ])
 def test_bad_overlap_settings_are_one_error(overrides, message):
   with pytest.raises(validation.ConfigError, match=message):
     validation.validate_config(_config(**overrides), num_devices=8)
+
+
+# Outer-optimizer defaults per overlap mode.
+
+
+@pytest.mark.parametrize("overlap", overlap_lib.OVERLAPS)
+def test_unset_outer_settings_take_the_overlap_s_defaults(overlap):
+  config = _config(**{"diloco.overlap": overlap})
+  assert config.diloco.outer_optimizer.learning_rate is None
+  resolved = validation.validate_config(config, num_devices=8).config
+  outer = resolved.diloco.outer_optimizer
+  assert (outer.learning_rate, outer.momentum) == (
+      overlap_defaults.NESTEROV_DEFAULTS[overlap])
+  # The caller's config is left as it was.
+  assert config.diloco.outer_optimizer.learning_rate is None
+
+
+def test_outer_settings_a_config_sets_are_kept():
+  config = _config(**{"diloco.outer_optimizer.learning_rate": 0.3})
+  outer = validation.validate_config(config, num_devices=8).config.diloco \
+      .outer_optimizer
+  # The set lr stays; the unset momentum takes the delay's default.
+  assert (outer.learning_rate, outer.momentum) == (
+      0.3, overlap_defaults.NESTEROV_DEFAULTS["one_step_delay"][1])
+
+
+def test_a_rising_eval_loss_under_an_overlap_warns_once(caplog):
+  outer = config_schema.base_config().diloco.outer_optimizer
+  outer.learning_rate, outer.momentum = 0.7, 0.9
+  losses = [3.0, 2.8, 2.9, 3.0, 3.1, 3.2, 3.3]
+  with caplog.at_level("WARNING"):
+    watch = overlap_watch.RisingLossWatch("one_step_delay", outer)
+    for step, loss in enumerate(losses):
+      watch.observe(step, loss)
+    quiet = overlap_watch.RisingLossWatch("none", outer)
+    for step, loss in enumerate(losses):
+      quiet.observe(step, loss)
+  warnings = [r.getMessage() for r in caplog.records
+              if "rose 3 evaluations in a row" in r.getMessage()]
+  assert len(warnings) == 1
+  assert "overlap='one_step_delay'" in warnings[0]
+  assert "momentum 0.9" in warnings[0]
+  assert watch.warned and not quiet.warned
+
+
+def test_a_falling_then_flat_eval_loss_does_not_warn():
+  outer = config_schema.base_config().diloco.outer_optimizer
+  watch = overlap_watch.RisingLossWatch("eager", outer)
+  for step, loss in enumerate([3.0, 3.1, 3.2, 3.1, 3.2, 3.3, 3.3]):
+    watch.observe(step, loss)
+  assert not watch.warned

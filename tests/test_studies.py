@@ -12,6 +12,7 @@ from experiments import iid_vs_noniid
 from experiments import k_sweep
 from experiments import outer_optimizers
 from experiments import outer_vs_island_mean
+from experiments import overlap_sweep
 from experiments import overlaps
 from experiments import sign_pruning
 from experiments import plots
@@ -20,7 +21,8 @@ from experiments import study_lib
 from experiments import table2
 
 STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
-           sign_pruning, codecs, outer_vs_island_mean, overlaps)
+           sign_pruning, codecs, outer_vs_island_mean, overlaps,
+           overlap_sweep)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,8 @@ def test_each_study_runs_quick_and_writes_json_png_and_table(module,
     assert f"| {row['name']} |" in table
     finished = row["eval_loss"]["n"] + row["diverged"]
     assert finished == len(seeds)
+  if study.report is not None:  # e.g. the overlaps' utilization
+    assert study.report(results) in table
   reference = next(row for row in results["points"]
                    if row["name"] == study.reference)
   assert reference["perplexity_change_vs_reference"]["mean"] == 0.0

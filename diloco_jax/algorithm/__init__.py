@@ -9,7 +9,8 @@ optax optimizers, a mesh and typed settings.
   outer_step.py     the outer step: pseudo-gradients through the codec
                     into the cross-island mean, the outer optimizer, the
                     islands reset; and its pieces for other placements.
-  overlap.py        the overlap rules: one-step delay and its rebasing.
+  overlap.py        the overlap rules: one-step delay, its rebasing, eager
+                    updates.
   fragments.py      Streaming DiLoCo's per-fragment send and merge.
   compression.py    codecs over pytrees and their bytes;
                     matrix_codecs.py the per-matrix ones (sign pruning,

@@ -211,7 +211,8 @@ def from_config(config, step_time_s: float, bandwidth_bits_per_s: float,
                     ddp_hidden_fraction=ddp_hidden_fraction,
                     stage_links=stage_links), link
   overlaps = d.get("outer_placement", "device") == "host"
-  # The rebasing delay sends and waits as the plain delay does.
+  # The rebasing delay and eager updates send and wait as the plain
+  # delay does.
   delayed = d.get("overlap", "none") != "none"
   return Workload(
       "diloco", d.islands, step_time_s, sync_bytes,

@@ -5,6 +5,8 @@
                    listing every problem; returns a RunConfig.
   diloco_checks.py the checks of config.diloco.
   pipeline_checks.py the checks of pipelined islands (mesh.stage, pipeline).
+  overlap_defaults.py the outer optimizer's defaults per overlap mode,
+                   filled in where a config leaves them unset.
   problems.py      collecting problems; ConfigError.
   run_config.py    RunConfig: the frozen config with what it stands for
                    parsed once (islands, codec, schedule, participation,

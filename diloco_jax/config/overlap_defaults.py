@@ -18,8 +18,8 @@ import ml_collections
 NESTEROV_DEFAULTS = {
     "none": (0.7, 0.9),
     "one_step_delay": (0.8, 0.0),
-    "one_step_delay_rebase": (1.0, 0.0),
-    "eager": (0.7, 0.9),
+    "one_step_delay_rebase": (0.7, 0.5),
+    "eager": (1.0, 0.0),
 }
 # Other outer optimizers ('sgd', 'momentum', 'adam') are not overlap-tuned.
 OTHER_DEFAULTS = NESTEROV_DEFAULTS["none"]

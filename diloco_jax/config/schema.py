@@ -96,8 +96,11 @@ def _diloco() -> Section:
       # its collective overlaps a round of local training, and round r + 1
       # starts from x_r; 'one_step_delay_rebase': the same timing, but each
       # island starts round r + 1 from x_r plus its own progress of round r
-      # (whose mean is in flight), rebased again when the mean lands
-      # (algorithm/overlap.py).
+      # (whose mean is in flight), rebased again when the mean lands;
+      # 'eager' (eager updates): the same timing, but each island steps its
+      # own outer point at once on its fresh pseudo-gradient in place of
+      # its share of the mean in flight (algorithm/overlap.py). Each mode
+      # has its own outer-optimizer defaults (config/overlap_defaults.py).
       "overlap": "none",
       # Where x, the outer optimizer state and the cross-island collective
       # live (run/host_outer.py): 'device' with the islands; 'host' on one

@@ -9,7 +9,9 @@
                   background (background.py).
   loop.py         the training loop over the schedule's events;
                   syncs.py runs the syncs, step_records.py writes each
-                  step's record, recovery.py rolls back or stops.
+                  step's record, recovery.py rolls back or stops,
+                  overlap_watch.py warns when x's eval loss keeps rising
+                  under an overlap.
   host_outer.py   the outer step on devices of its own
                   (outer_placement='host').
   state_spec.py   the TrainState a config implies.

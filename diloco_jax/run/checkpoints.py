@@ -21,6 +21,7 @@ UnreadableCheckpointsError rather than letting the run start over.
 """
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -199,14 +200,35 @@ class Checkpointer:
     Raises:
       CorruptCheckpointError: an array differs from what was saved.
     """
+    target, absent = self._saved_fields_only(step, abstract_state)
     state = self._manager.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardRestore(abstract_state)}))[STATE]
+        STATE: ocp.args.StandardRestore(target)}))[STATE]
+    if absent is not None:
+      state = abstract_state.replace(**state, **{name: None
+                                                 for name in absent})
     if checksums is not None:
       mismatch = integrity.digest_mismatch(checksums,
                                            integrity.inspect_state(state)[0])
       if mismatch:
         raise CorruptCheckpointError(mismatch)
     return state
+
+  def _saved_fields_only(self, step: int, abstract_state):
+    """(restore target, fields left out): a state's fields that are None
+    and that the checkpoint lacks (optional fields added to the state
+    after it was written) are left out of the target and set to None
+    after reading; (abstract_state, None) when there are none."""
+    if not dataclasses.is_dataclass(abstract_state):
+      return abstract_state, None
+    saved = set(ocp.StandardCheckpointer().metadata(
+        os.path.join(self.directory, str(step), STATE)).item_metadata.keys())
+    fields = [f.name for f in dataclasses.fields(abstract_state)]
+    absent = [name for name in fields if name not in saved
+              and getattr(abstract_state, name) is None]
+    if not absent:
+      return abstract_state, None
+    return ({name: getattr(abstract_state, name) for name in fields
+             if name not in absent}, absent)
 
   def latest_readable(self, restore_fn, steps=None,
                       start_over_if_unreadable: bool = False,
