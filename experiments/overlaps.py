@@ -22,10 +22,10 @@ with one line): its fragments overlap tau steps of their own round, not a
 round.
 
 The table below the results gives each point's utilization at 10 Mbit/s
-per island from the network model (diloco_jax/analysis/workloads.py): the
-run's config with its collective on a device of its own
-(outer_placement='host', where an overlap hides it), at the reference
-run's measured inner-step time. The delayed modes' per-round evals score x
+per island from the network model (diloco_jax/analysis/workloads.py), and
+the link each needs for 95%: the run's config with its collective on a
+device of its own (outer_placement='host', where an overlap hides it), at
+the reference run's measured inner-step time. The delayed modes' per-round evals score x
 before the mean in flight lands; eager's score the islands' average point.
 
 Full run: 14 points x 3 seeds; the runs take about 45 minutes on 2 CPU
@@ -84,8 +84,9 @@ def _utilization_report(results: dict) -> str:
       f"Modeled at {BANDWIDTH_BITS_PER_S / 1e6:g} Mbit/s per island, "
       f"latency 10 ms, inner step {step_s:.3f} s (the reference run's, "
       "measured), the collective on a device of its own:", "",
-      "| point | perplexity vs no overlap | utilization | round s |",
-      "|---|---|---|---|"]
+      "| point | perplexity vs no overlap | utilization | round s | "
+      "Mbit/s for 95% |",
+      "|---|---|---|---|---|"]
   for row in results["points"]:
     run = first_run(row)
     if run is None:
@@ -99,9 +100,11 @@ def _utilization_report(results: dict) -> str:
     change_text = ("-" if change["mean"] is None
                    or row["name"] == row["reference"] else
                    f"{100 * change['mean']:+.1f}% ± {100 * change['std']:.1f}")
+    needed = estimate["network_bandwidth_for_utilization"]["0.95"]
     lines.append(f"| {row['name']} | {change_text} | "
                  f"{estimate['network_utilization']:.3f} | "
-                 f"{estimate['network_round_s']:.2f} |")
+                 f"{estimate['network_round_s']:.2f} | "
+                 f"{'-' if needed is None else f'{needed / 1e6:.2f}'} |")
   return "\n".join(lines)
 
 

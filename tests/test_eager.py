@@ -9,7 +9,9 @@ islands' average point (their outer states averaged too).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from diloco_jax.algorithm import state as state_lib
@@ -122,6 +124,38 @@ def test_eager_follows_the_hand_written_rule(islands, data, fsdp):
       jax.device_get(state.own_shares)))
   assert all(np.isfinite(leaf).all()
              for leaf in jax.tree.leaves(jax.device_get(state)))
+
+
+def test_islands_that_join_start_from_the_islands_average():
+  """Resizing an eager state: islands that stay keep their points, outer
+  states and shares; new ones start from the kept islands' average point
+  and outer state, with nothing in flight."""
+  params, _ = helpers.tiny_problem()
+  inner_opt = optax.adam(1e-2)
+  outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  state = state_lib.init_state(params, inner_opt, outer_opt, 2,
+                               overlap="eager")
+  moved = jax.tree.map(lambda a: a + jnp.arange(2.0).reshape(
+      (2,) + (1,) * (a.ndim - 1)), state.anchors)
+  state = state.replace(anchors=moved, island_params=moved,
+                        own_shares=jax.tree.map(jnp.ones_like,
+                                                state.own_shares))
+  more = state_lib.resize_islands(state, 3, inner_opt)
+  average = jax.tree.map(lambda a: a.mean(0), moved)
+  helpers.assert_trees_close(_per_island(more.anchors, 2), average,
+                             rtol=1e-6, atol=1e-6)
+  helpers.assert_trees_close(_per_island(more.island_params, 2), average,
+                             rtol=1e-6, atol=1e-6)
+  helpers.assert_trees_close(
+      jax.tree.map(lambda a: a[:2], more.anchors), moved, rtol=0, atol=0)
+  assert not any(np.any(np.asarray(leaf)[2]) for leaf in
+                 jax.tree.leaves(more.own_shares))
+  assert all(np.all(np.asarray(leaf)[:2] == 1) for leaf in
+             jax.tree.leaves(more.own_shares))
+  # Evaluated mid-run, x is the islands' average point.
+  helpers.assert_trees_close(
+      state_lib.evaluation_params(state, "diloco"), average, rtol=1e-6,
+      atol=1e-6)
 
 
 # Runs.

@@ -4,7 +4,6 @@ programs over the state."""
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.algorithm import outer_step
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.inner_step import LossFn
 from diloco_jax.algorithm.state import TrainState
@@ -26,8 +25,8 @@ def make_evaluate(loss_fn: LossFn, mode: str):
 
   The eval batch is split over the islands. DiLoCo's x is on every island
   already; with eager updates x is the islands' average point
-  (outer_step.eager_consensus: an fp32 mean over the islands per eval
-  batch, as an eval-only cost). ddp and single keep their islands identical, so each island
+  (state.eager_consensus: an fp32 mean over the islands per eval batch,
+  an eval-only cost). ddp and single keep their islands identical, so each island
   scores its own share with its own params: island 0's params never cross
   the island link (a slice y[0] would send them to every other island, a
   full copy of the model per eval batch), only the per-island losses do.
@@ -35,9 +34,7 @@ def make_evaluate(loss_fn: LossFn, mode: str):
 
   def evaluate(state: TrainState, batch: jax.Array) -> jax.Array:
     if mode == "diloco":
-      if state.own_shares is not None:  # eager updates
-        return loss_fn(outer_step.eager_consensus(state)[0], batch)
-      return loss_fn(state.global_params, batch)
+      return loss_fn(state_lib.evaluation_params(state, mode), batch)
     islands = state_lib.num_islands(state)
     shares = batch.reshape((islands, -1) + batch.shape[1:])
     return jnp.mean(jax.vmap(loss_fn)(state.island_params, shares))

@@ -227,27 +227,13 @@ def _island_outer_steps(outer_opt, state: TrainState, updates, stages: int):
                               updates)
 
 
-def eager_consensus(state: TrainState):
-  """(x, outer state): the islands' average outer point and outer state,
-  the model an eager run is judged by (traceable). Computing it is a
-  full-precision mean over the islands (an fp32 all-reduce of the params
-  across the island link), so runs take it to evaluate and at the end,
-  never in a round."""
-  def mean(tree):
-    return jax.tree.map(
-        lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
-                   if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
-        tree)
-  return mean(state.anchors), mean(state.island_outer_opt_state)
-
-
 def settle_eager(outer_opt: optax.GradientTransformation,
                  state: TrainState, stages: int = 1) -> TrainState:
   """The end of an eager run (traceable): the last mean lands and each
   island steps its point on the rest of it, D(R) - u_m(R) (the rule's
   next round, with no share of its own; exactly zero with one island).
   Then every island, x and the outer state become the islands' average
-  (`eager_consensus`), so the islands agree again and a run extended later
+  (state.eager_consensus), so the islands agree again and a run extended later
   starts anew; the slot in flight and the shares are spent."""
   updates = overlap_lib.eager_updates(
       state.in_flight, state.in_flight_valid, state.own_shares,
@@ -255,7 +241,7 @@ def settle_eager(outer_opt: optax.GradientTransformation,
   anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
                                               stages)
   state = state.replace(anchors=anchors, island_outer_opt_state=outer_states)
-  x, outer_state = eager_consensus(state)
+  x, outer_state = state_lib.eager_consensus(state)
   islands = state_lib.num_islands(state)
   return state.replace(
       global_params=x, outer_opt_state=outer_state,
@@ -348,7 +334,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   (`eager_islands`) and starts round r + 1 from it; its pseudo-gradient is
   taken against that point (its anchor). A diverged island starts from its
   own point with a fresh inner state. x, the islands' average point
-  (`eager_consensus`), is not formed in a round: the run forms it to
+  (state.eager_consensus), is not formed in a round: the run forms it to
   evaluate and at the end.
 
   Returns:

@@ -51,11 +51,6 @@ def is_delayed(overlap: str) -> bool:
   return overlap in DELAYED_OVERLAPS
 
 
-def rebases(overlap: str) -> bool:
-  """Whether `overlap` keeps the islands' progress across the delay."""
-  return is_delayed(overlap) and overlap == "one_step_delay_rebase"
-
-
 def is_eager(overlap: str) -> bool:
   """Whether `overlap` steps each island's own outer point at once."""
   return is_delayed(overlap) and overlap == "eager"

@@ -256,11 +256,11 @@ def resize_islands(state: TrainState, num_islands: int,
   """Changes the number of islands, e.g. when a run restarts on a new fleet.
 
   Islands that stay keep their params, anchors and inner optimizer state
-  (with eager updates, their outer state and share in flight too); new
-  islands start from the global params (their anchor too) with a fresh
-  inner optimizer state (with eager updates, x's outer state and no share
-  in flight); removed islands are dropped with whatever progress they made
-  since the last outer step.
+  (with eager updates, their outer state and share in flight too). New
+  islands start from the global params (their anchor too; with eager
+  updates, from the kept islands' average point and outer state, with no
+  share in flight) and a fresh inner optimizer state. Removed islands are
+  dropped with whatever progress they made since the last outer step.
   """
   old = jax.tree.leaves(state.island_params)[0].shape[0]
   kept = min(old, num_islands)
@@ -273,7 +273,11 @@ def resize_islands(state: TrainState, num_islands: int,
   island_outer = take(state.island_outer_opt_state)
   shares = take(state.own_shares)
   if added:
-    new_params = stack_islands(state.global_params, added)
+    start = state.global_params
+    if island_outer is not None:  # eager: the kept islands' average
+      start, average_outer = eager_consensus(state.replace(
+          anchors=anchors, island_outer_opt_state=island_outer))
+    new_params = stack_islands(start, added)
     new_opt_state = jax.vmap(inner_opt.init)(new_params)
     join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
     params = jax.tree.map(join, params, new_params)
@@ -283,9 +287,9 @@ def resize_islands(state: TrainState, num_islands: int,
     if residuals is not None:  # new islands have sent nothing yet
       residuals = jax.tree.map(
           join, residuals, _zeros_per_island(state.global_params, added))
-    if island_outer is not None:  # x's outer state, and nothing in flight
+    if island_outer is not None:  # nothing in flight yet
       island_outer = jax.tree.map(
-          join, island_outer, stack_islands(state.outer_opt_state, added))
+          join, island_outer, stack_islands(average_outer, added))
       shares = jax.tree.map(
           join, shares, _zeros_per_island(state.global_params, added))
   return state.replace(island_params=params, anchors=anchors,
@@ -294,16 +298,30 @@ def resize_islands(state: TrainState, num_islands: int,
                        own_shares=shares)
 
 
-def evaluation_params(state: TrainState, mode: str):
-  """The params a run is judged by: x for DiLoCo, island 0's otherwise.
+def eager_consensus(state: TrainState):
+  """(x, outer state): the islands' average outer point and outer state,
+  the model an eager run is judged by (traceable). Computing it is a
+  full-precision mean over the islands (an fp32 all-reduce of the params
+  across the island link), so runs form it to evaluate, to start new
+  islands and at the end, never in a round."""
+  def mean(tree):
+    return jax.tree.map(
+        lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
+                   if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
+        tree)
+  return mean(state.anchors), mean(state.island_outer_opt_state)
 
-  (Mid-run, an eager run's x is its islands' average point, which
-  outer_step.eager_consensus forms; its state holds it once settled.)
+
+def evaluation_params(state: TrainState, mode: str):
+  """The params a run is judged by: x for DiLoCo (with eager updates the
+  islands' average point, `eager_consensus`), island 0's otherwise.
 
   `single` has one island and `ddp` keeps its islands identical, so island 0
   is their model. Call inside jit so XLA moves the slice where it is needed.
   """
   if mode == "diloco":
+    if state.own_shares is not None:
+      return eager_consensus(state)[0]
     return state.global_params
   return jax.tree.map(lambda y: y[0], state.island_params)
 
