@@ -10,7 +10,8 @@ from diloco_jax.model import transformer as model_lib
 NUM_DEVICES = 8  # conftest forces 8 CPU devices
 
 
-@pytest.mark.parametrize("name", ["default", "tiny", "study", "study:quick"])
+@pytest.mark.parametrize("name", ["default", "tiny", "study", "study:quick",
+                                  "slow_link"])
 def test_runnable_configs_validate(name):
   module, _, arg = name.partition(":")
   config = importlib.import_module(f"configs.{module}").get_config(

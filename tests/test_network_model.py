@@ -377,7 +377,8 @@ def test_from_config_reads_a_run_s_config():
     workload, _ = workloads.from_config(config, 0.25, 2 * GBIT, params=tree)
     assert (workload.fragments, workload.delay_steps) == (4, delay)
   config.diloco.fragments, config.diloco.fragment_delay = 1, 0
-  for overlap in ("one_step_delay", "one_step_delay_rebase"):  # one timing
+  # The delays and eager updates send and wait with one timing.
+  for overlap in ("one_step_delay", "one_step_delay_rebase", "eager"):
     config.diloco.overlap = overlap
     for placement, delay in (("device", 0), ("host", 20)):
       config.diloco.outer_placement = placement
