@@ -7,7 +7,7 @@ import json
 import os
 
 
-def _pyplot():
+def pyplot():
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")  # files only, no display
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -28,7 +28,7 @@ def _finish(plt, fig, ax, results: dict, path: str) -> None:
 
 def bar_plot(results: dict, path: str) -> None:
   """Final eval loss per point: mean with a bar of ± one std."""
-  plt = _pyplot()
+  plt = pyplot()
   rows = _finished(results)
   fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 2), 4))
   means = [row["eval_loss"]["mean"] for row in rows]
@@ -49,7 +49,7 @@ def sweep_plot(xlabel: str, logx: bool = False):
   """A plot(results, path) of final eval loss against each point's x."""
 
   def plot(results: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rows = [row for row in _finished(results) if row["x"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     for series in dict.fromkeys(row.get("series", "") for row in rows):
@@ -72,7 +72,7 @@ def sweep_plot(xlabel: str, logx: bool = False):
 
 def pareto_plot(results: dict, path: str) -> None:
   """Final eval loss against the bytes one island sent, every point."""
-  plt = _pyplot()
+  plt = pyplot()
   rows = sorted(_finished(results), key=lambda row: row["comm_bytes"]["mean"])
   markers = {series: "osD^v"[i % 5] for i, series in enumerate(
       dict.fromkeys(row.get("series", "") for row in rows))}
@@ -99,7 +99,7 @@ def pareto_plot(results: dict, path: str) -> None:
   _finish(plt, fig, ax, results, path)
 
 
-def _mean_curves(row: dict, key: str) -> tuple[list, list]:
+def mean_curves(row: dict, key: str) -> tuple[list, list]:
   """(steps, mean of `key` over the seeds) from the runs' metrics.jsonl,
   after the pretraining phase (whose high early losses would flatten the
   rest)."""
@@ -125,11 +125,11 @@ def curves_plot(keys: dict):
   """
 
   def plot(results: dict, path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in _finished(results):
       for (key, label), style in zip(keys.items(), ("-", "--", ":")):
-        steps, values = _mean_curves(row, key)
+        steps, values = mean_curves(row, key)
         if steps:
           ax.plot(steps, values, style, marker=".",
                   label=f"{row['name']}: {label}" if label else row["name"])

@@ -24,9 +24,7 @@ def make_evaluate(loss_fn: LossFn, mode: str):
   """Builds evaluate(state, batch) -> mean loss of state.evaluation_params.
 
   The eval batch is split over the islands. DiLoCo's x is on every island
-  already; with eager updates x is the islands' average point
-  (state.eager_consensus: an fp32 mean over the islands per eval batch,
-  an eval-only cost). ddp and single keep their islands identical, so each island
+  already (with eager updates, once `make_consensus` has formed it). ddp and single keep their islands identical, so each island
   scores its own share with its own params: island 0's params never cross
   the island link (a slice y[0] would send them to every other island, a
   full copy of the model per eval batch), only the per-island losses do.
@@ -34,12 +32,21 @@ def make_evaluate(loss_fn: LossFn, mode: str):
 
   def evaluate(state: TrainState, batch: jax.Array) -> jax.Array:
     if mode == "diloco":
-      return loss_fn(state_lib.evaluation_params(state, mode), batch)
+      return loss_fn(state.global_params, batch)
     islands = state_lib.num_islands(state)
     shares = batch.reshape((islands, -1) + batch.shape[1:])
     return jnp.mean(jax.vmap(loss_fn)(state.island_params, shares))
 
   return jax.jit(evaluate)
+
+
+def make_consensus(out_shardings=None):
+  """Builds consensus(state) -> x for an eager run mid-way: the islands'
+  average outer point (state.eager_consensus), which the run evaluates.
+  It is one float32 all-reduce of the params across the island link, so a
+  run forms it once per evaluation, not per eval batch."""
+  return jax.jit(lambda state: state_lib.eager_consensus(state)[0],
+                 out_shardings=out_shardings)
 
 
 def make_evaluate_island_mean(loss_fn: LossFn):

@@ -35,6 +35,10 @@ class LinkBytes:
     self._param_shapes = param_shapes
     self._compression = compression
     self._fragments = config.diloco.fragments
+    # Eager updates end by averaging the islands' outer points: one float32
+    # all-reduce of the params, as DDP's step sends.
+    self._eager = (config.mode == "diloco"
+                   and config.diloco.get("overlap") == "eager")
     self._stripes = config.mesh.data if config.mesh.fsdp else 1
     self._stages = 1 if layout is None else layout.stages
     # What one stage reduces (the whole params for one stage).
@@ -106,3 +110,6 @@ class LinkBytes:
         progress.comm_bytes += (self.sync(rank_indices, action.fragment)
                                 * sending // self._islands)
         progress.fp32_comm_bytes += self.fp32_sync(action.fragment)
+      elif action.kind == schedule_lib.FLUSH and self._eager:
+        progress.comm_bytes += self.ddp_step
+        progress.fp32_comm_bytes += self.ddp_step

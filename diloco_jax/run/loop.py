@@ -161,7 +161,7 @@ class TrainingLoop:
         step = self._roll_back(error, step)
     self._records.finish_pending()
     if math.isnan(self._eval_loss):  # resumed from the final checkpoint
-      self._eval_loss = self._mean_eval_loss()
+      self._eval_loss = self._mean_eval_loss(settled=True)
     jax.block_until_ready(self.state)
     return Finished(
         state=self.state, progress=self.progress,
@@ -255,7 +255,8 @@ class TrainingLoop:
     record = records.step_record(config, step, self.progress,
                                  float(self._learning_rates[step - 1]))
     if evaluating:
-      self._eval_loss = self._mean_eval_loss()
+      self._eval_loss = self._mean_eval_loss(
+          settled=step == config.total_steps)
       self._rising_loss.observe(step, self._eval_loss)
       record.update(records.eval_record(self._eval_loss,
                                         config.data.tokenizer == "byte"))
@@ -268,8 +269,13 @@ class TrainingLoop:
       record["excluded_islands"] = int(excluded.sum())
     return record
 
-  def _mean_eval_loss(self) -> float:
+  def _mean_eval_loss(self, settled: bool = False) -> float:
+    """x's mean loss over the eval batches. With eager updates x is the
+    islands' average point, formed here unless the run's end has `settled`
+    the islands on it already."""
     state = self._setup.evaluated(self.state)
+    if self._programs.consensus is not None and not settled:
+      state = state.replace(global_params=self._programs.consensus(state))
     return float(np.mean(jax.device_get(
         [self._programs.evaluate(state, b) for b in self._eval_arrays])))
 

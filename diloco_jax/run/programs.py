@@ -36,6 +36,7 @@ class Programs(NamedTuple):
   merges: Any  # Streaming DiLoCo: per fragment, fold its x into the islands
   evaluate: Any
   evaluate_island_mean: Any  # config.eval.island_mean: (state, batches)
+  consensus: Any  # eager updates: the islands' average point, to evaluate
   inspect_state: Any  # integrity.inspect_state, checked before each save
   compile_s: float
 
@@ -85,11 +86,15 @@ def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
         loss_fn).lower(state, (eval_batch,) * num_eval_batches).compile()
   evaluate = evaluation_lib.make_evaluate(loss_fn, config.mode).lower(
       state, eval_batch).compile()
+  consensus = None
+  if config.mode == "diloco" and config.diloco.overlap == "eager":
+    consensus = evaluation_lib.make_consensus(jax.tree.map(
+        lambda a: a.sharding, state.global_params)).lower(state).compile()
   return Programs(
       inner_step=inner_step, outer_step=syncs.get("outer_step"),
       flush=syncs.get("flush"), sends=syncs.get("sends"),
       merges=syncs.get("merges"), evaluate=evaluate,
-      evaluate_island_mean=evaluate_island_mean,
+      evaluate_island_mean=evaluate_island_mean, consensus=consensus,
       inspect_state=integrity.compile_inspector(saved_state),
       compile_s=time.perf_counter() - start)
 
