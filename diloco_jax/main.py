@@ -164,6 +164,12 @@ def main(argv):
     # What the user can fix, in one line and last: no traceback.
     logging.error("%s", e)
     _exit(1, f"error: {e}")
+  except Exception:  # pylint: disable=broad-except
+    # Often a collective cut short by a process that died: the peer watch
+    # names it in one line if so; otherwise the error is raised as is.
+    from diloco_jax.parallel import peer_watch  # pylint: disable=g-import-not-at-top
+    peer_watch.wait_for_a_verdict()
+    raise
 
 
 if __name__ == "__main__":

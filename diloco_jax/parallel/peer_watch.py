@@ -38,7 +38,7 @@ class PeerWatch(threading.Thread):
     super().__init__(name="peer_watch", daemon=True)
     self.client, self.me, self._count = client, me, count
     self.silence_s = max(heartbeat_timeout_s / 3, 3.0)
-    self._interval_s = self.silence_s / 10
+    self.interval_s = self.silence_s / 10
     self._grace_s = 2.0  # for this process to end on the same error itself
     self._stopped = threading.Event()
 
@@ -51,7 +51,7 @@ class PeerWatch(threading.Thread):
     now = time.monotonic()
     heard = {peer: now for peer in range(self._count)}  # last change
     failed_at, unreachable_since = {}, None
-    while not self._stopped.wait(self._interval_s):
+    while not self._stopped.wait(self.interval_s):
       now = time.monotonic()
       try:
         self.client.key_value_set(f"{_ALIVE}{self.me}", str(beat),
@@ -116,6 +116,17 @@ def leave(message: str | None) -> None:
   leaving = threading.Thread(target=_shutdown_quietly, daemon=True)
   leaving.start()
   leaving.join(_peer_watch.silence_s)
+
+
+def wait_for_a_verdict() -> None:
+  """On an unexpected error in a run of several processes: waits out the
+  watch's silence window first. A collective cut short by a peer that died
+  fails here before the watch has heard the silence; the watch then names
+  that peer in one line and ends this process, instead of the collective's
+  traceback. Returns (for the error to be raised) when no peer is gone."""
+  if _peer_watch is None or not _peer_watch.is_alive():
+    return
+  _peer_watch.join(_peer_watch.silence_s + 2 * _peer_watch.interval_s)
 
 
 def _shutdown_quietly() -> None:
