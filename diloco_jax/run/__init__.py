@@ -13,7 +13,7 @@
                   overlap_watch.py warns when x's eval loss keeps rising
                   under an overlap.
   host_outer.py   the outer step on devices of its own
-                  (outer_placement='host').
+                  (outer_placement='host'); outer_side.py their base.
   state_spec.py   the TrainState a config implies.
   warm_start.py   starting from another run (init_from, pretrain_steps).
   resume.py       restoring this run's checkpoint, checked against the
