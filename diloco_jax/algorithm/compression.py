@@ -22,6 +22,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from diloco_jax.algorithm import matrix_codecs
+from diloco_jax.algorithm import sparse_chunks_mean
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.codecs import lowrank
 from diloco_jax.parallel import communication
@@ -30,6 +31,9 @@ from diloco_jax.parallel.mesh import ISLANDS
 
 STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
 CODECS = codecs.DENSE_CODECS + STRUCTURED_CODECS
+# SparseLoCo's chunked top-k (sparse_chunks_mean.py): chosen with its outer
+# mode (config.diloco.outer_optimizer.name='sparseloco'), not as a codec.
+SPARSELOCO = "sparseloco"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,12 @@ class Compression:
     ranks: low-rank codecs: the candidate ranks, ascending (one for lowrank).
     energy_fraction: adaptive_lowrank: the energy each matrix's rank keeps.
     factor_codec: low-rank codecs: how the factors cross the link.
+    chunk_size: sparseloco: the values of one top-k chunk.
+    density: sparseloco: the fraction of each chunk kept.
+    value_bits: sparseloco: the bits of each kept value.
+    feedback_decay: error feedback's decay of the residual before it is
+      added to the next pseudo-gradient (SparseLoCo's beta, making the
+      residual the outer momentum); 1 is plain error feedback.
   """
   name: str
   dense: codecs.DenseCodec
@@ -53,6 +63,10 @@ class Compression:
   ranks: tuple[int, ...] = (4,)
   energy_fraction: float = 0.9
   factor_codec: codecs.DenseCodec = codecs.DenseCodec("fp32")
+  chunk_size: int = 4096
+  density: float = 0.02
+  value_bits: int = 2
+  feedback_decay: float = 1.0
 
   @property
   def is_dense(self) -> bool:
@@ -68,7 +82,7 @@ class Compression:
 
   def is_structured_leaf(self, shape) -> bool:
     """Whether a leaf of this shape goes through the structured codec."""
-    if self.is_dense or len(shape) < 2:
+    if self.is_dense or self.name == SPARSELOCO or len(shape) < 2:
       return False
     rows, cols = lowrank.matrix_view(shape)
     if self.is_lowrank:
@@ -139,6 +153,9 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   if stripes > 1:
     raise ValueError(f"codec {compression.name!r} works on whole matrices; "
                      "FSDP islands need a dense codec")
+  if compression.name == SPARSELOCO:
+    return sparse_chunks_mean.island_mean(tree, weight, compression, key,
+                                          axes)
   leaves, treedef = jax.tree.flatten(tree)
   share = communication.weight_share(weight, axes)
   structured = [compression.is_structured_leaf(x.shape) for x in leaves]
@@ -188,6 +205,8 @@ def mean_bytes(tree, num_islands: int, compression: Compression,
   if compression.is_dense:
     return communication.island_mean_bytes(tree, num_islands,
                                            compression.dense, stripes)
+  if compression.name == SPARSELOCO:
+    return sparse_chunks_mean.mean_bytes(tree, num_islands, compression)
   k = num_islands
   if k <= 1:
     return 0

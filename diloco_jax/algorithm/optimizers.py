@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax.parallel.stages import LAYERS
+
 
 def _decay_mask(params):
   # Weight decay on matrices only: norms' scales have no reason to shrink
@@ -78,31 +80,79 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def inner_optimizer(inner_config, total_steps: int,
-                    stage_axis: str | None = None
-                    ) -> optax.GradientTransformation:
-  """AdamW with warmup + cosine schedule, weight decay and global-norm
-  clipping. With `stage_axis` the optimizer runs once per pipeline stage
-  (on that stage's layers), and the clipping norm spans the stages."""
-  adamw = optax.adamw(
-      learning_rate=inner_learning_rate(inner_config, total_steps),
+def muon_labels(params):
+  """Which optimizer each leaf of `params` takes under Muon (MuLoCo):
+  'muon' for the matrices inside the transformer's blocks (attention and
+  MLP kernels, whose updates Muon orthogonalizes), 'adamw' for the rest:
+  embeddings and head (a lookup table and a classifier, not maps between
+  hidden states) and the norms' vectors."""
+  def label(path, leaf):
+    in_blocks = any(getattr(key, "key", None) == LAYERS for key in path)
+    return "muon" if in_blocks and leaf.ndim >= 2 else "adamw"
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _muon_matrices(params):
+  # A kernel maps its second-to-last axis to its last (x @ W); any axes
+  # before them (layers stacked by a pipeline stage) are batch axes.
+  return jax.tree.map(
+      lambda p: optax.contrib.MuonDimensionNumbers(p.ndim - 2, p.ndim - 1),
+      params)
+
+
+def _adamw(inner_config, learning_rate) -> optax.GradientTransformation:
+  return optax.adamw(
+      learning_rate=learning_rate,
       b1=inner_config.b1,
       b2=inner_config.b2,
       eps=inner_config.eps,
       weight_decay=inner_config.weight_decay,
       mask=_decay_mask,
   )
+
+
+def inner_optimizer(inner_config, total_steps: int,
+                    stage_axis: str | None = None
+                    ) -> optax.GradientTransformation:
+  """The islands' optimizer, with warmup + cosine schedule, weight decay
+  and global-norm clipping: AdamW, or with name 'muon' Muon on the blocks'
+  matrices and AdamW on the rest (`muon_labels`). Muon's updates are
+  scaled to AdamW's RMS (inner_config.muon.consistent_rms), so both parts
+  share the schedule. With `stage_axis` the optimizer runs once per
+  pipeline stage (on that stage's layers), and the clipping norm spans the
+  stages."""
+  learning_rate = inner_learning_rate(inner_config, total_steps)
+  optimizer = _adamw(inner_config, learning_rate)
+  if inner_config.name == "muon":
+    muon = inner_config.muon
+    optimizer = optax.partition(
+        {"muon": optax.contrib.muon(
+            learning_rate=learning_rate,
+            ns_steps=muon.ns_steps,
+            beta=muon.momentum,
+            weight_decay=inner_config.weight_decay,
+            consistent_rms=muon.consistent_rms,
+            muon_weight_dimension_numbers=_muon_matrices),
+         "adamw": optimizer},
+        muon_labels)
+  elif inner_config.name != "adamw":
+    raise ValueError(
+        f"config.inner_optimizer.name={inner_config.name!r} is unknown")
   if inner_config.grad_clip_norm > 0:
     return optax.chain(
-        clip_by_global_norm(inner_config.grad_clip_norm, stage_axis), adamw)
-  return adamw
+        clip_by_global_norm(inner_config.grad_clip_norm, stage_axis),
+        optimizer)
+  return optimizer
 
 
 def outer_optimizer(outer_config) -> optax.GradientTransformation:
   """The optimizer applied to the averaged pseudo-gradient once per round.
 
   'nesterov' (DiLoCo's default), 'sgd' (FedAvg when the learning rate is 1),
-  'momentum' (heavy ball) or 'adam' (with its eps; DiLoCo needed eps ~ 0.1).
+  'momentum' (heavy ball), 'adam' (with its eps; DiLoCo needed eps ~ 0.1)
+  or 'sparseloco': x - alpha * mean, the momentum being in the islands'
+  error feedback (its learning rate is config.diloco.sparseloco.alpha,
+  set by overlap_defaults.resolve).
   """
   name = outer_config.name
   lr = outer_config.learning_rate
@@ -110,7 +160,7 @@ def outer_optimizer(outer_config) -> optax.GradientTransformation:
     return optax.sgd(lr, momentum=outer_config.momentum, nesterov=True)
   if name == "momentum":
     return optax.sgd(lr, momentum=outer_config.momentum, nesterov=False)
-  if name == "sgd":
+  if name in ("sgd", "sparseloco"):
     return optax.sgd(lr)
   if name == "adam":
     return optax.adam(lr, b1=outer_config.b1, b2=outer_config.b2,

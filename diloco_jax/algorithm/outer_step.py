@@ -72,7 +72,10 @@ def make_island_sync(mesh, compression=None,
     codec left unsent (error feedback) and the next codec state."""
     pseudo_grad = jax.tree.map(jnp.subtract, reference, island_params)
     if residuals is not None:
-      pseudo_grad = jax.tree.map(jnp.add, pseudo_grad, residuals)
+      decay = compression.feedback_decay  # SparseLoCo's beta; else 1
+      pseudo_grad = jax.tree.map(
+          lambda g, e: g + (e if decay == 1.0 else decay * e),
+          pseudo_grad, residuals)
     # An island without weight (not synced this round) or whose
     # pseudo-gradient is not finite (it diverged) takes no part: its values
     # are zeroed before any arithmetic, since NaN x 0 is still NaN.
@@ -282,11 +285,25 @@ def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
                        anchors=anchors, inner_opt_state=inner_opt_state)
 
 
+def restart_islands(finite, weights, restart_dropped: bool,
+                    reset_inner: bool) -> jax.Array:
+  """Which islands start the next round with a fresh inner optimizer
+  state [islands]: the diverged ones (their moments are not finite), with
+  `restart_dropped` those not synced, with `reset_inner` all of them."""
+  restart = ~finite
+  if restart_dropped:
+    restart = restart | (weights <= 0)
+  if reset_inner:
+    restart = jnp.ones_like(restart)
+  return restart
+
+
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     compression=None, rounding_seed: int | None = None,
                     fsdp: bool = False,
                     inner_opt: optax.GradientTransformation | None = None,
-                    restart_dropped: bool = False, overlap: str = "none"):
+                    restart_dropped: bool = False, overlap: str = "none",
+                    reset_inner: bool = False):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a dense codec, or None for
@@ -308,7 +325,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   diverged island also restarts with a fresh inner optimizer state (its
   moments are not finite either), counted from the current step so the
   learning rate schedule goes on; with `restart_dropped` so does an island
-  with weight 0 (config.diloco.dropped_islands='idle': it rejoins fresh).
+  with weight 0 (config.diloco.dropped_islands='idle': it rejoins fresh),
+  and with `reset_inner` every island (config.diloco.inner_state='reset').
   If no island takes part, x, the outer optimizer state and the codec
   state do not change.
 
@@ -360,9 +378,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     if eager:
       state = eager_islands(outer_opt, state, landed, landed_valid, weights,
                             finite & (weights > 0), stages)
-    restart = ~finite
-    if restart_dropped:
-      restart = restart | (weights <= 0)
+    restart = restart_islands(finite, weights, restart_dropped, reset_inner)
     state = next_round(state, state.global_params, restart, included,
                        inner_opt, stages)
     # The state keeps its declared layout, so the compiled steps take it.

@@ -34,14 +34,19 @@ def outer_defaults(optimizer: str, overlap: str) -> tuple[float, float]:
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """`config` with the outer optimizer's unset learning rate and momentum
-  set to the overlap mode's defaults (a copy; `config` is unchanged)."""
+  set to the overlap mode's defaults, or under SparseLoCo to its alpha and
+  no momentum (a copy; `config` is unchanged)."""
   outer = config.diloco.outer_optimizer
   if outer.learning_rate is not None and outer.momentum is not None:
     return config
   resolved = config.copy_and_resolve_references()
   outer = resolved.diloco.outer_optimizer
-  learning_rate, momentum = outer_defaults(outer.name,
-                                           resolved.diloco.overlap)
+  if outer.name == "sparseloco":
+    # Its step is x - alpha * mean: its momentum is the error feedback.
+    learning_rate, momentum = resolved.diloco.sparseloco.alpha, 0.0
+  else:
+    learning_rate, momentum = outer_defaults(outer.name,
+                                             resolved.diloco.overlap)
   if outer.learning_rate is None:
     outer.learning_rate = learning_rate
   if outer.momentum is None:

@@ -112,6 +112,12 @@ def compression(diloco_config) -> compression_lib.Compression:
   """The Compression config.diloco describes (codec and settings)."""
   c = diloco_config
   block = c.codec_block_size
+  if c.outer_optimizer.name == compression_lib.SPARSELOCO:
+    s = c.sparseloco
+    return compression_lib.Compression(
+        compression_lib.SPARSELOCO, dense_codecs.make_codec("fp32", block),
+        chunk_size=s.chunk_size, density=s.density, value_bits=s.bits,
+        feedback_decay=s.beta)
   if c.codec in dense_codecs.DENSE_CODECS:
     return compression_lib.Compression(
         c.codec, dense_codecs.make_codec(c.codec, block))
@@ -128,6 +134,14 @@ def compression(diloco_config) -> compression_lib.Compression:
   return compression_lib.Compression(c.codec, fallback,
                                      prune_rate=c.prune_rate,
                                      topk_fraction=c.topk_fraction)
+
+
+def keeps_residuals(diloco_config) -> bool:
+  """Whether islands keep what the codec did not send (error feedback):
+  asked for, or SparseLoCo's (its residual is the outer momentum)."""
+  return bool(diloco_config.error_feedback
+              or diloco_config.outer_optimizer.name
+              == compression_lib.SPARSELOCO)
 
 
 def schedule(config) -> schedule_lib.Schedule:

@@ -11,8 +11,9 @@ import ml_collections
 from ml_collections import config_dict
 
 MODES = ("diloco", "ddp", "single")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "momentum", "adam")
-INNER_OPTIMIZERS = ("adamw",)
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "momentum", "adam", "sparseloco")
+INNER_OPTIMIZERS = ("adamw", "muon")
+INNER_STATES = ("keep", "reset")
 Section = ml_collections.ConfigDict
 
 
@@ -125,6 +126,12 @@ def _diloco() -> Section:
       "topk_fraction": 0.01,  # topk: fraction of each matrix kept
       "lowrank": _lowrank(),
       "outer_optimizer": _outer_optimizer(),
+      "sparseloco": _sparseloco(),
+      # The islands' inner optimizer state across rounds: 'keep' (each
+      # island carries its moments on from x) or 'reset' (fresh moments
+      # every round, counted from the current step so the learning rate
+      # schedule goes on).
+      "inner_state": "keep",
   })
 
 
@@ -141,6 +148,25 @@ def _lowrank() -> Section:
       "max_rank": 64,
       "energy_fraction": 0.9,
       "factor_codec": "int4",
+  })
+
+
+def _sparseloco() -> Section:
+  """config.diloco.sparseloco: the outer mode of
+  outer_optimizer.name='sparseloco' (algorithm/sparse_chunks_mean.py).
+
+  Per island, error feedback is the only momentum: e <- beta e + d;
+  s = Q(TopK(e)) chunk by chunk; e <- e - s; then x <- x - alpha mean(s).
+  The codec is its own (config.diloco.codec stays 'fp32'); the outer
+  optimizer's learning_rate and momentum are not used.
+  """
+  return Section({
+      "beta": 0.95,  # the residual's decay: the momentum
+      "alpha": 1.0,  # the outer learning rate
+      "density": 0.02,  # fraction of each chunk kept
+      "chunk_size": 4096,  # values per top-k chunk (a leaf's chunks split
+                           # it evenly; smaller leaves are one chunk)
+      "bits": 2,  # bits per kept value: sign + (bits - 1) of magnitude
   })
 
 
@@ -163,6 +189,8 @@ def _outer_optimizer() -> Section:
 def _inner_optimizer() -> Section:
   """config.inner_optimizer: what each island runs for H steps."""
   return Section({
+      # 'adamw', or 'muon' (MuLoCo): Muon on the blocks' matrices, AdamW
+      # with the fields below on the embeddings, head and norms.
       "name": "adamw",
       "learning_rate": 4e-4,  # peak
       "warmup_steps": 20,
@@ -174,6 +202,14 @@ def _inner_optimizer() -> Section:
       "b2": 0.95,
       "eps": 1e-8,
       "grad_clip_norm": 1.0,  # 0 disables clipping
+      # name='muon': Muon's momentum and Newton-Schulz steps; its updates
+      # are scaled to AdamW's RMS (consistent_rms, Moonlight's 0.2), so it
+      # runs on the learning rate schedule above.
+      "muon": Section({
+          "momentum": 0.95,
+          "ns_steps": 5,
+          "consistent_rms": 0.2,
+      }),
   })
 
 

@@ -13,6 +13,7 @@ diloco_checks.py's.
 from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import diloco_checks
+from diloco_jax.config import outer_mode_checks
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import pipeline_checks
 from diloco_jax.config import run_config
@@ -50,6 +51,14 @@ _RANGES = (
     ("diloco.outer_optimizer.b1", 0, 1, "[)", False),
     ("diloco.outer_optimizer.b2", 0, 1, "[)", False),
     ("diloco.outer_optimizer.eps", 0, _INF, "[)", False),
+    ("diloco.sparseloco.beta", 0, 1, "[)", False),
+    ("diloco.sparseloco.alpha", 0, _INF, "()", False),
+    ("diloco.sparseloco.density", 0, 1, "()", False),
+    ("diloco.sparseloco.chunk_size", 2, 2**24, "[]", True),
+    ("diloco.sparseloco.bits", 2, 8, "[]", True),
+    ("inner_optimizer.muon.momentum", 0, 1, "[)", False),
+    ("inner_optimizer.muon.ns_steps", 1, 20, "[]", True),
+    ("inner_optimizer.muon.consistent_rms", 0, _INF, "()", False),
     ("model.rope_base", 0, _INF, "()", False),
     ("checkpoint.max_to_keep", 1, _INF, "[)", True),
     ("checkpoint.every_rounds", 0, _INF, "[)", True),
@@ -71,6 +80,9 @@ def validate_config(config, num_devices: int) -> run_config.RunConfig:
     config: a config built from `config_schema.base_config()`.
     num_devices: how many devices the mesh can be built from.
   """
+  outer = config.diloco.outer_optimizer
+  set_outer = {"learning_rate": outer.learning_rate,
+               "momentum": outer.momentum}
   config = overlap_defaults.resolve(config)
   problems = Problems()
   problems.require(
@@ -91,6 +103,7 @@ def validate_config(config, num_devices: int) -> run_config.RunConfig:
   _check_model(config, problems)
   data = _check_data(config, problems)
   diloco_checks.check(config, problems)
+  outer_mode_checks.check(config, problems, set_outer)
   pipeline_checks.check(config, problems)
   problems.raise_if_any()
   return run_config.build(config, data)

@@ -63,13 +63,15 @@ class RoundOuter(OuterSide):
   def __init__(self, mesh, islands: int, compute_mesh, *,
                outer_opt: optax.GradientTransformation, sync,
                inner_opt: optax.GradientTransformation, overlap: str,
-               restart_dropped: bool, fsdp: bool):
+               restart_dropped: bool, fsdp: bool,
+               reset_inner: bool = False):
     """`sync`: outer_step.make_island_sync's on `mesh`."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
     self._anchored = overlap_lib.anchored(overlap)
     self._eager = overlap_lib.is_eager(overlap)
     self._restart_dropped = restart_dropped
+    self._reset_inner = reset_inner
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
     # The collective of the pseudo-gradients against `reference` (the x
@@ -128,9 +130,8 @@ class RoundOuter(OuterSide):
     """The round's end: the islands' params go out, x comes back."""
     self._use_compiled()
     finite = self._finite(state)
-    restart = ~finite
-    if self._restart_dropped:
-      restart = restart | (weights <= 0)
+    restart = outer_step_lib.restart_islands(
+        finite, weights, self._restart_dropped, self._reset_inner)
     keep = finite & (weights > 0)  # the islands in this round's mean
     island_params = move(state.island_params, self._on_islands)
     outer_weights = move(weights, self._on_islands)
@@ -297,7 +298,7 @@ def build(outer_devices, islands: int, compute_mesh,
           inner_opt: optax.GradientTransformation,
           rounding_seed: int | None = None, restart_dropped: bool = False,
           overlap: str = "none", fragments: int | None = None,
-          fsdp: bool = False) -> OuterSide:
+          fsdp: bool = False, reset_inner: bool = False) -> OuterSide:
   """The outer side of a run with outer_placement='host' on
   `outer_devices` (one per process).
 
@@ -319,4 +320,5 @@ def build(outer_devices, islands: int, compute_mesh,
                          fsdp=fsdp)
   return RoundOuter(mesh, islands, compute_mesh, outer_opt=outer_opt,
                     sync=sync, inner_opt=inner_opt, overlap=overlap,
-                    restart_dropped=restart_dropped, fsdp=fsdp)
+                    restart_dropped=restart_dropped, fsdp=fsdp,
+                    reset_inner=reset_inner)

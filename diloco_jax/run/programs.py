@@ -114,7 +114,8 @@ def _outer_programs(run_config: run_config_lib.RunConfig, mesh,
       rounding_seed=_rounding_seed(config), fsdp=fsdp,
       inner_opt=spec.inner_opt,
       restart_dropped=config.diloco.dropped_islands == "idle",
-      overlap=overlap).lower(state, weights).compile()}
+      overlap=overlap,
+      reset_inner=config.diloco.inner_state == "reset").lower(state, weights).compile()}
   if overlap_lib.is_delayed(overlap):
     programs["flush"] = outer_step_lib.make_flush(
         spec.outer_opt, mesh, fsdp).lower(state).compile()

@@ -249,7 +249,8 @@ def _host_outer(run_config: run_config_lib.RunConfig,
       restart_dropped=config.diloco.dropped_islands == "idle",
       overlap=config.diloco.overlap,
       fragments=config.diloco.fragments if run_config.streaming else None,
-      fsdp=config.mesh.fsdp)
+      fsdp=config.mesh.fsdp,
+      reset_inner=config.diloco.inner_state == "reset")
 
 
 def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:

@@ -106,7 +106,8 @@ def for_config(config, islands: int | None = None,
           stage_axis=None if layout is None else STAGE),
       outer_opt=optimizers.outer_optimizer(diloco.outer_optimizer),
       compression=compression if mode == "diloco" else None,
-      error_feedback=mode == "diloco" and diloco.error_feedback,
+      error_feedback=(mode == "diloco"
+                      and run_config_lib.keeps_residuals(diloco)),
       seed=config.seed,
       overlap=diloco.overlap if mode == "diloco" else "none",
       fragments=(diloco.fragments if mode == "diloco"
