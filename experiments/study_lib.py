@@ -64,6 +64,9 @@ class Study:
     base_overrides: applied to configs/study.py before each point's.
     report: report(results) -> markdown written below the table (more
       columns a study needs), or None.
+    base: the module under configs/ the points override: 'study'
+      (configs/study.py) or 'scaling' (configs/scaling.py, whose scale
+      the --scale flag picks; its results are named STUDY_SCALE).
   """
   name: str
   title: str
@@ -74,16 +77,27 @@ class Study:
   quick_points: tuple | None = None
   base_overrides: dict = dataclasses.field(default_factory=dict)
   report: Callable | None = None
+  base: str = "study"
+  scale: str = ""
+
+
+def at_scale(study: Study, scale: str) -> Study:
+  """`study` on configs/scaling.py at `scale` ('small' or 'large'), its
+  results named STUDY_SCALE; a configs/study.py study as it is."""
+  if study.base != "scaling":
+    return study
+  return dataclasses.replace(study, name=f"{study.name}_{scale}",
+                             scale=scale)
 
 
 def base_config(study: Study, quick: bool):
-  """configs/study.py (its quick version) with the study's overrides."""
-  # pylint: disable=g-import-not-at-top
-  from configs import study as study_config
-  from diloco_jax.config import schema as config_schema
-  # pylint: enable=g-import-not-at-top
+  """The study's base config (its quick version) with its overrides."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import schema as config_schema  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(f"configs.{study.base}")
   return config_schema.override(
-      study_config.get_config("quick" if quick else ""), study.base_overrides)
+      module.get_config("quick" if quick else study.scale),
+      study.base_overrides)
 
 
 def study_points(study: Study, quick: bool) -> list[Point]:
@@ -213,6 +227,9 @@ _QUICK = flags.DEFINE_bool(
     f"{QUICK_SEEDS} seeds) that checks the study runs end to end.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 4, "Host CPU devices (islands fold onto them).")
+_SCALE = flags.DEFINE_enum(
+    "scale", "small", ["small", "large", "gpu"],
+    "Studies on configs/scaling.py: the model scale.")
 
 
 def main(study: Study):
@@ -232,10 +249,11 @@ def main(study: Study):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     logging.set_verbosity(logging.WARNING)  # one line per run instead
     seeds = list(range(QUICK_SEEDS if _QUICK.value else _SEEDS.value))
-    out_dir = _OUT.value or os.path.join(runs_dir, study.name)
+    scaled = at_scale(study, _SCALE.value)
+    out_dir = _OUT.value or os.path.join(runs_dir, scaled.name)
     from diloco_jax.run import stops  # pylint: disable=g-import-not-at-top
     try:
-      run_study(study, runs_dir, seeds, _QUICK.value, out_dir)
+      run_study(scaled, runs_dir, seeds, _QUICK.value, out_dir)
     except stops.StopRequested as e:
       sys.exit(f"{e}; rerun the study to continue")
 

@@ -11,7 +11,9 @@ NUM_DEVICES = 8  # conftest forces 8 CPU devices
 
 
 @pytest.mark.parametrize("name", ["default", "tiny", "study", "study:quick",
-                                  "slow_link"])
+                                  "slow_link", "scaling:small",
+                                  "scaling:large", "scaling:gpu",
+                                  "scaling:quick"])
 def test_runnable_configs_validate(name):
   module, _, arg = name.partition(":")
   config = importlib.import_module(f"configs.{module}").get_config(
@@ -29,6 +31,26 @@ def test_paper_c4_configs_build_and_validate(name, nominal):
   # Without a data path the config is refused, naming the field.
   with pytest.raises(validation.ConfigError, match="config.data.path"):
     validation.validate_config(config, num_devices=NUM_DEVICES)
+
+
+def test_the_scaling_regime_is_compute_optimal_with_many_rounds():
+  """configs/scaling.py: ~20 tokens per parameter, over 50 outer rounds,
+  and its two CPU scales at least 4x apart in parameters."""
+  scaling = importlib.import_module("configs.scaling")
+  sizes = {}
+  for scale in ("small", "large", "gpu"):
+    config = scaling.get_config(scale)
+    sizes[scale] = model_lib.count_params(model_lib.param_shapes(
+        config.model))
+    assert sizes[scale] == scaling.parameters(config.model)
+    tokens = (config.total_steps * config.diloco.islands
+              * config.data.batch_size * config.data.sequence_length)
+    assert 20 <= tokens / sizes[scale] < 20.5
+    assert config.total_steps // config.diloco.inner_steps >= 50
+    # The single worker spends the same tokens in 4x the steps.
+    assert scaling.steps_for(config, 1) == 4 * config.total_steps
+  assert sizes["large"] >= 4 * sizes["small"]
+  assert 20e6 <= sizes["gpu"] <= 60e6
 
 
 def test_paper_c4_configs_validate_given_their_data(tmp_path):

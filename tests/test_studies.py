@@ -10,11 +10,15 @@ from experiments import codecs
 from experiments import h_sweep
 from experiments import iid_vs_noniid
 from experiments import k_sweep
+from experiments import muloco
 from experiments import outer_optimizers
 from experiments import outer_vs_island_mean
 from experiments import overlap_sweep
 from experiments import overlaps
+from experiments import scaling_outer
+from experiments import scaling_table2
 from experiments import sign_pruning
+from experiments import sparseloco
 from experiments import plots
 from experiments import tables
 from experiments import study_lib
@@ -22,7 +26,7 @@ from experiments import table2
 
 STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
            sign_pruning, codecs, outer_vs_island_mean, overlaps,
-           overlap_sweep)
+           overlap_sweep, scaling_table2, scaling_outer, sparseloco, muloco)
 
 
 @pytest.fixture(scope="module")
