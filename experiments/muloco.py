@@ -40,7 +40,7 @@ STUDY = study_lib.Study(
            "every worker count, and with one worker data parallel."),
     points=_points,
     reference="diloco_k4_adamw",
-    plot=plots.bar_plot,
+    plot=plots.bars_and_curves_plot,
     quick_points=("diloco_k4_adamw", "diloco_k4_muon"),
     base="scaling",
 )

@@ -31,6 +31,36 @@ def bar_plot(results: dict, path: str) -> None:
   plt = pyplot()
   rows = _finished(results)
   fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 2), 4))
+  _bars(ax, rows, results)
+  _finish(plt, fig, ax, results, path)
+
+
+def bars_and_curves_plot(results: dict, path: str) -> None:
+  """Final eval loss per point (bars, ± one std) beside each point's eval
+  curve against the tokens seen (points that spend one budget in
+  different steps, e.g. one worker and four, share that axis)."""
+  plt = pyplot()
+  rows = _finished(results)
+  fig, (bars, curves) = plt.subplots(
+      1, 2, figsize=(max(5, 1.1 * len(rows) + 2) + 6, 4.5))
+  _bars(bars, rows, results)
+  bars.set_title("final")
+  bars.grid(alpha=0.3)
+  for row in rows:
+    tokens, values = mean_curves(row, "eval_loss", x_key="tokens_seen")
+    if tokens:
+      curves.plot([t / 1e6 for t in tokens], values, marker=".",
+                  label=row["name"])
+  curves.set_xlabel("tokens seen (M)")
+  curves.set_ylabel("eval loss (nats/token), mean over seeds")
+  if rows:
+    finals = [row["eval_loss"]["mean"] for row in rows]
+    curves.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+  curves.legend(fontsize=8)
+  _finish(plt, fig, curves, results, path)
+
+
+def _bars(ax, rows: list, results: dict) -> None:
   means = [row["eval_loss"]["mean"] for row in rows]
   ax.bar(range(len(rows)), means,
          yerr=[row["eval_loss"]["std"] for row in rows], capsize=4,
@@ -42,7 +72,6 @@ def bar_plot(results: dict, path: str) -> None:
     spread = max(means) - min(means) or 0.05
     ax.set_ylim(min(means) - 1.5 * spread, max(means) + 1.0 * spread)
   ax.set_ylabel("final eval loss (nats/token)")
-  _finish(plt, fig, ax, results, path)
 
 
 def sweep_plot(xlabel: str, logx: bool = False):
@@ -99,10 +128,11 @@ def pareto_plot(results: dict, path: str) -> None:
   _finish(plt, fig, ax, results, path)
 
 
-def mean_curves(row: dict, key: str) -> tuple[list, list]:
-  """(steps, mean of `key` over the seeds) from the runs' metrics.jsonl,
-  after the pretraining phase (whose high early losses would flatten the
-  rest)."""
+def mean_curves(row: dict, key: str,
+                x_key: str = "step") -> tuple[list, list]:
+  """(steps, or another record field `x_key`, and the mean of `key` over
+  the seeds) from the runs' metrics.jsonl, after the pretraining phase
+  (whose high early losses would flatten the rest)."""
   by_step = {}
   for run in row["runs"]:
     if run["status"] != "done":
@@ -112,7 +142,7 @@ def mean_curves(row: dict, key: str) -> tuple[list, list]:
         record = json.loads(line)
         if (record.get(key) is not None
             and record.get("phase") != "pretrain"):
-          by_step.setdefault(record["step"], []).append(record[key])
+          by_step.setdefault(record[x_key], []).append(record[key])
   steps = sorted(by_step)
   return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
 

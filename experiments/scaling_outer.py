@@ -6,12 +6,12 @@ reset, in the compute-optimal regime.
 configs/scaling.py's DiLoCo with 1, 4 and 8 islands (the tokens of 4
 islands, so 1 island takes 4x the steps and 8 half), outer Nesterov at
 learning rates 0.4 to 1.0 with momentum 0.9, and momentum 0.8 at lr 0.8;
-then the best 4-island setting with every island's inner optimizer
-state reset each round (config.diloco.inner_state='reset'). The
+then 4 islands with every island's inner optimizer state reset each
+round (config.diloco.inner_state='reset') at two outer steps. The
 scaling-laws study found the best outer learning rate growing with the
 islands: ~0.4 at M=1, ~0.6 at M=2-4, ~0.8 at M=8.
 
-Full run, small: 16 points x 3 seeds; about 100 minutes on 2 CPU cores.
+Full run, small: 24 points x 3 seeds; about 3 hours on 2 CPU cores.
 """
 
 from configs import scaling
@@ -21,23 +21,38 @@ from experiments import study_lib
 _RATES = (0.4, 0.6, 0.8, 1.0)
 
 
+def _point(k: int, steps: int, lr: float, momentum: float,
+           reset: bool = False):
+  overrides = {"diloco.islands": k, "total_steps": steps,
+               "diloco.outer_optimizer.learning_rate": lr,
+               "diloco.outer_optimizer.momentum": momentum}
+  if reset:
+    overrides["diloco.inner_state"] = "reset"
+  return study_lib.Point(
+      f"k{k}_lr{lr}" + ("" if momentum == 0.9 else f"_m{momentum}")
+      + ("_reset" if reset else ""), overrides,
+      x=None if reset else lr,
+      series=f"k={k}, momentum {momentum}")
+
+
 def _points(config):
   points = []
-  for k in (1, 4, 8):
+  for k in (4, 1, 8):
     steps = scaling.steps_for(config, k)
-    for lr in _RATES:
-      points.append(study_lib.Point(
-          f"k{k}_lr{lr}", {"diloco.islands": k, "total_steps": steps,
-                           "diloco.outer_optimizer.learning_rate": lr,
-                           "diloco.outer_optimizer.momentum": 0.9},
-          x=lr, series=f"k={k}, momentum 0.9"))
-    points.append(study_lib.Point(
-        f"k{k}_lr0.8_m0.8", {"diloco.islands": k, "total_steps": steps,
-                             "diloco.outer_optimizer.learning_rate": 0.8,
-                             "diloco.outer_optimizer.momentum": 0.8},
-        x=0.8, series=f"k={k}, momentum 0.8"))
-  points.append(study_lib.Point("k4_inner_reset",
-                                {"diloco.inner_state": "reset"}))
+    points += [_point(k, steps, lr, 0.9) for lr in _RATES]
+    points.append(_point(k, steps, 0.8, 0.8))
+    if k == 4:
+      points += [_point(k, steps, 1.0, 0.5), _point(k, steps, 0.7, 0.5),
+                 _point(k, steps, 1.0, 0.3),
+                 _point(k, steps, 0.8, 0.0),
+                 _point(k, steps, 1.0, 0.0),  # FedAvg
+                 _point(k, steps, 1.2, 0.0),
+                 # The inner state reset every round, at DiLoCo's outer
+                 # step and at plain averaging.
+                 _point(k, steps, 0.7, 0.9, reset=True),
+                 _point(k, steps, 1.0, 0.0, reset=True)]
+    if k == 1:
+      points.append(_point(k, steps, 1.0, 0.3))
   return tuple(points)
 
 

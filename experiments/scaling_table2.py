@@ -6,9 +6,10 @@ configs/scaling.py: every run from scratch on 20 tokens per parameter,
 the same tokens and the same warmup + cosine schedule shape (over each
 run's own steps) for every point:
 - `single`: one worker, an island's batch, 4x the steps;
-- `ddp` / `ddp_lr2x`: 4 workers all-reduce gradients every step (4x the
-  batch), at the islands' peak inner learning rate and at twice it (its
-  larger batch may take a larger one; the better is DDP's tuned result);
+- `ddp` / `ddp_lr2x` / `ddp_lr4x`: 4 workers all-reduce gradients every
+  step (4x the batch), at the islands' peak inner learning rate and at
+  twice and 4x it (its larger batch may take a larger one; the best is
+  DDP's tuned result);
 - `diloco`: 4 islands, H=10, outer Nesterov at the config's defaults;
 - `diloco_k1`: one island on the single worker's batch and steps, with
   the outer step (the DiLoCo paper: it beats `single`).
@@ -33,6 +34,8 @@ def _points(config):
       study_lib.Point("ddp", {"mode": "ddp"}),
       study_lib.Point("ddp_lr2x", {"mode": "ddp",
                                    "inner_optimizer.learning_rate": 2 * lr}),
+      study_lib.Point("ddp_lr4x", {"mode": "ddp",
+                                   "inner_optimizer.learning_rate": 4 * lr}),
       study_lib.Point("diloco", {}),
       study_lib.Point("diloco_k1", {"diloco.islands": 1,
                                     "total_steps": single_steps}),
@@ -46,7 +49,7 @@ STUDY = study_lib.Study(
            "parallel at 35M, +0.3% at 2.4B; M=1 ahead of data parallel."),
     points=_points,
     reference="ddp",
-    plot=plots.bar_plot,
+    plot=plots.bars_and_curves_plot,
     quick_points=("ddp", "diloco", "diloco_k1"),
     base="scaling",
 )

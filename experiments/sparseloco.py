@@ -30,7 +30,9 @@ STUDY = study_lib.Study(
         study_lib.Point(f"sparseloco_{density:.0%}",
                         {**_SPARSELOCO,
                          "diloco.sparseloco.density": density})
-        for density in (0.01, 0.02, 0.03, 0.1)),
+        for density in (0.01, 0.02, 0.03, 0.1))
+    + (study_lib.Point("sparseloco_2%_beta0.5",
+                       {**_SPARSELOCO, "diloco.sparseloco.beta": 0.5}),),
     reference="fp32",
     plot=plots.pareto_plot,
     quick_points=("fp32", "sparseloco_2%"),

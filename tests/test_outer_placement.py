@@ -28,6 +28,8 @@ from tests import test_streaming
 @pytest.mark.parametrize("overlap,codec,error_feedback", [
     ("none", "fp32", False), ("none", "int8", True),
     ("one_step_delay", "fp32", False), ("one_step_delay", "int8", True),
+    # SparseLoCo's payloads are all-gathered on the outer device.
+    ("none", "sparseloco", True),
     # The anchors cross to the outer device; the islands rebase at home.
     ("one_step_delay_rebase", "int8", True),
     # The landed mean comes back; the islands step their own points.

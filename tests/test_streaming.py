@@ -120,6 +120,9 @@ def _compression(codec):
   settings = config_schema.base_config().diloco
   settings.codec, settings.codec_block_size = codec, 32
   settings.lowrank.min_rank, settings.lowrank.max_rank = 2, 4
+  if codec == "sparseloco":  # its own codec, chosen with its outer mode
+    settings.codec, settings.outer_optimizer.name = "fp32", codec
+    settings.sparseloco.chunk_size = 64
   return run_config.compression(settings)
 
 

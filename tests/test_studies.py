@@ -16,6 +16,7 @@ from experiments import outer_vs_island_mean
 from experiments import overlap_sweep
 from experiments import overlaps
 from experiments import scaling_outer
+from experiments import scaling_overlaps
 from experiments import scaling_table2
 from experiments import sign_pruning
 from experiments import sparseloco
@@ -26,7 +27,8 @@ from experiments import table2
 
 STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
            sign_pruning, codecs, outer_vs_island_mean, overlaps,
-           overlap_sweep, scaling_table2, scaling_outer, sparseloco, muloco)
+           overlap_sweep, scaling_table2, scaling_outer, sparseloco, muloco,
+           scaling_overlaps)
 
 
 @pytest.fixture(scope="module")
