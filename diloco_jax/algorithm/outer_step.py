@@ -203,8 +203,8 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   landed and no share of its own) keeps its x_m and outer state: momentum
   alone would move it.
 
-  Returns `state` with x_m(r) as the anchors (next_round starts the
-  islands from them), the islands' outer states and u_m(r).
+  Returns `state` with x_m(r) as the anchors (where next_round starts
+  the islands), the islands' outer states and u_m(r).
   """
   pseudo_grads = jax.tree.map(
       lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
@@ -283,19 +283,6 @@ def next_round(state: TrainState, x, restart: jax.Array, keep: jax.Array,
         state.island_params, state.anchors, x, keep)
   return state.replace(global_params=x, island_params=island_params,
                        anchors=anchors, inner_opt_state=inner_opt_state)
-
-
-def restart_islands(finite, weights, restart_dropped: bool,
-                    reset_inner: bool) -> jax.Array:
-  """Which islands start the next round with a fresh inner optimizer
-  state [islands]: the diverged ones (their moments are not finite), with
-  `restart_dropped` those not synced, with `reset_inner` all of them."""
-  restart = ~finite
-  if restart_dropped:
-    restart = restart | (weights <= 0)
-  if reset_inner:
-    restart = jnp.ones_like(restart)
-  return restart
 
 
 def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
@@ -378,7 +365,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     if eager:
       state = eager_islands(outer_opt, state, landed, landed_valid, weights,
                             finite & (weights > 0), stages)
-    restart = restart_islands(finite, weights, restart_dropped, reset_inner)
+    restart = state_lib.restart_islands(finite, weights, restart_dropped, reset_inner)
     state = next_round(state, state.global_params, restart, included,
                        inner_opt, stages)
     # The state keeps its declared layout, so the compiled steps take it.
@@ -398,7 +385,6 @@ def make_flush(outer_opt: optax.GradientTransformation, mesh,
   delay anew. With eager updates the islands settle instead
   (`settle_eager`). `state` is donated.
   """
-
   stages = mesh.shape[STAGE]
 
   def flush(state: TrainState) -> TrainState:

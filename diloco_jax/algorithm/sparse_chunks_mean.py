@@ -61,6 +61,7 @@ def island_mean(tree, weight, compression, key: jax.Array | None = None,
   share = communication.weight_share(weight, axes)
   means, sents = list(leaves), list(leaves)
   groups = _groups([x.shape for x in leaves], compression.chunk_size)
+  shares = communication.gather(share, axes)  # [k]
   for g, (chunk, indices) in enumerate(groups.items()):
     rows = [_rows(leaves[i], chunk) for i in indices]
     keep = sparse.keep_count(chunk, compression.density)
@@ -70,10 +71,8 @@ def island_mean(tree, weight, compression, key: jax.Array | None = None,
     decode = lambda p: sparse_chunks.decode(p, chunk, keep,
                                             compression.value_bits)
     sent = decode(payload)
-    everyone = communication.gather({"payload": payload, "share": share},
-                                    axes)
-    total = jnp.einsum("k,krc->rc", everyone["share"],
-                       jax.vmap(decode)(everyone["payload"]))
+    total = jnp.einsum("k,krc->rc", shares, jax.vmap(decode)(
+        communication.gather(payload, axes)))
     start = 0
     for i, leaf_rows in zip(indices, rows):
       stop = start + leaf_rows.shape[0]
@@ -88,7 +87,7 @@ def island_mean(tree, weight, compression, key: jax.Array | None = None,
 
 def mean_bytes(tree, num_islands: int, compression) -> int:
   """Bytes one island sends for `island_mean`: the weight share's
-  all-reduce and (k - 1) copies of its payload with its share."""
+  all-reduce, and (k - 1) copies of its share and of its payload."""
   if num_islands <= 1:
     return 0
   shapes = [leaf.shape for leaf in jax.tree.leaves(tree)]
@@ -97,6 +96,7 @@ def mean_bytes(tree, num_islands: int, compression) -> int:
     rows = sum(-(-math.prod(shapes[i]) // chunk) for i in indices)
     payload += sparse_chunks.payload_bytes(
         rows, chunk, sparse.keep_count(chunk, compression.density),
-        compression.value_bits) + 4  # + the share, gathered beside it
+        compression.value_bits)
   return (communication.weight_share_bytes(num_islands)
+          + communication.gather_bytes(4, num_islands)  # the shares
           + communication.gather_bytes(payload, num_islands))

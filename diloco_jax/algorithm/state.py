@@ -235,6 +235,19 @@ def unstage_state(state: TrainState, layout: stages_lib.StageLayout,
   return state.replace(**fields)
 
 
+def restart_islands(finite, weights, restart_dropped: bool,
+                    reset_inner: bool) -> jax.Array:
+  """Which islands start the next round with a fresh inner optimizer
+  state [islands]: the diverged ones (their moments are not finite), with
+  `restart_dropped` those not synced, with `reset_inner` all of them."""
+  restart = ~finite
+  if restart_dropped:
+    restart = restart | (weights <= 0)
+  if reset_inner:
+    restart = jnp.ones_like(restart)
+  return restart
+
+
 def restart_inner_states(inner_opt: optax.GradientTransformation,
                          inner_opt_state, island_params, step,
                          restart: jax.Array, stages: int = 1):

@@ -130,7 +130,7 @@ class RoundOuter(OuterSide):
     """The round's end: the islands' params go out, x comes back."""
     self._use_compiled()
     finite = self._finite(state)
-    restart = outer_step_lib.restart_islands(
+    restart = state_lib.restart_islands(
         finite, weights, self._restart_dropped, self._reset_inner)
     keep = finite & (weights > 0)  # the islands in this round's mean
     island_params = move(state.island_params, self._on_islands)
