@@ -234,6 +234,12 @@ _SCALE = flags.DEFINE_enum(
 
 def main(study: Study):
   """The command line of a study module: absl flags, then run_study."""
+  main_many([study])
+
+
+def main_many(studies: list[Study]):
+  """The command line of one study or several (experiments/all.py), run
+  one after another with the same flags and runs directory."""
   from absl import app  # pylint: disable=g-import-not-at-top
 
   def run(argv):
@@ -249,12 +255,13 @@ def main(study: Study):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     logging.set_verbosity(logging.WARNING)  # one line per run instead
     seeds = list(range(QUICK_SEEDS if _QUICK.value else _SEEDS.value))
-    scaled = at_scale(study, _SCALE.value)
-    out_dir = _OUT.value or os.path.join(runs_dir, scaled.name)
     from diloco_jax.run import stops  # pylint: disable=g-import-not-at-top
-    try:
-      run_study(scaled, runs_dir, seeds, _QUICK.value, out_dir)
-    except stops.StopRequested as e:
-      sys.exit(f"{e}; rerun the study to continue")
+    for study in studies:
+      scaled = at_scale(study, _SCALE.value)
+      out_dir = _OUT.value or os.path.join(runs_dir, scaled.name)
+      try:
+        run_study(scaled, runs_dir, seeds, _QUICK.value, out_dir)
+      except stops.StopRequested as e:
+        sys.exit(f"{e}; rerun the study to continue")
 
   app.run(run)

@@ -1,4 +1,6 @@
-"""Each study in experiments/ runs end to end in its --quick setting."""
+"""The studies in experiments/: every point of every study is a valid
+config, and the studies that between them use every plot, report and
+base config run end to end in their --quick setting."""
 
 import json
 import math
@@ -6,29 +8,28 @@ import os
 
 import pytest
 
+from diloco_jax.config import validation
+
+from experiments import all as all_studies
 from experiments import codecs
 from experiments import h_sweep
 from experiments import iid_vs_noniid
-from experiments import k_sweep
-from experiments import muloco
-from experiments import outer_optimizers
-from experiments import outer_vs_island_mean
-from experiments import overlap_sweep
 from experiments import overlaps
-from experiments import scaling_outer
-from experiments import scaling_overlaps
 from experiments import scaling_table2
 from experiments import sign_pruning
-from experiments import sparseloco
 from experiments import plots
 from experiments import tables
 from experiments import study_lib
 from experiments import table2
 
-STUDIES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
-           sign_pruning, codecs, outer_vs_island_mean, overlaps,
-           overlap_sweep, scaling_table2, scaling_outer, sparseloco, muloco,
-           scaling_overlaps)
+STUDIES = all_studies.MODULES
+# Run end to end: between them every plot function (bar, sweep, pareto,
+# curves, bars and curves, the overlaps' own), the one report, both base
+# configs and the spread over seeds. The others differ from these only in
+# their points, which test_every_point_of_every_study_is_a_valid_config
+# checks without training; a quick run costs 10-80 s of CI.
+END_TO_END = (table2, h_sweep, iid_vs_noniid, codecs, overlaps,
+              scaling_table2)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,23 @@ def shared_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("module", STUDIES, ids=lambda m: m.STUDY.name)
+def test_every_point_of_every_study_is_a_valid_config(module):
+  studies = [module.STUDY]
+  if module.STUDY.base == "scaling":
+    studies = [study_lib.at_scale(module.STUDY, scale)
+               for scale in ("small", "large")]
+  for study in studies:
+    for quick in (False, True):
+      points = study_lib.study_points(study, quick)
+      assert len({p.name for p in points}) == len(points)
+      for point in points:
+        config = study_lib.point_config(study, point, seed=1, quick=quick)
+        validation.validate_config(config, num_devices=8)
+      references = {p.reference or study.reference for p in points}
+      assert references <= {p.name for p in points}
+
+
+@pytest.mark.parametrize("module", END_TO_END, ids=lambda m: m.STUDY.name)
 def test_each_study_runs_quick_and_writes_json_png_and_table(module,
                                                              shared_runs,
                                                              tmp_path):
@@ -123,3 +141,18 @@ def test_paired_perplexity_change_and_spread():
   assert b["outer_vs_island_mean"]["mean"] == pytest.approx(math.exp(-0.1) - 1)
   assert "outer params vs islands' average" in tables.markdown_table(
       results)
+
+
+def test_all_runs_every_study_module_once_and_checks_names():
+  modules = {os.path.splitext(name)[0] for name in os.listdir("experiments")
+             if name.endswith(".py")}
+  # Not studies: the library, the network model's tables, the codec
+  # sweep over main (one run per codec) and the run comparer.
+  helpers = {"__init__", "all", "study_lib", "tables", "plots",
+             "network_model", "codec_sweep", "compare_runs"}
+  assert {m.__name__.split(".")[-1] for m in STUDIES} == modules - helpers
+  assert [s.name for s in all_studies.chosen(None, "large")] == [
+      m.STUDY.name for m in STUDIES if m.STUDY.base == "scaling"]
+  assert all_studies.chosen(["table2"], "small") == [table2.STUDY]
+  with pytest.raises(SystemExit, match="unknown tabel2"):
+    all_studies.chosen(["tabel2"], "small")
