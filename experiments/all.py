@@ -12,8 +12,6 @@ study's docstring gives its own time). --studies picks some by name.
 others run configs/study.py and are skipped at --scale=large.
 """
 
-import sys
-
 from absl import flags
 
 from experiments import codecs
@@ -55,5 +53,4 @@ def chosen(names, scale: str) -> list[study_lib.Study]:
 
 
 if __name__ == "__main__":
-  flags.FLAGS(sys.argv, known_only=True)
-  study_lib.main_many(chosen(_STUDIES.value, flags.FLAGS.scale))
+  study_lib.main_many(lambda scale: chosen(_STUDIES.value, scale))

@@ -234,12 +234,13 @@ _SCALE = flags.DEFINE_enum(
 
 def main(study: Study):
   """The command line of a study module: absl flags, then run_study."""
-  main_many([study])
+  main_many(lambda scale: [study])
 
 
-def main_many(studies: list[Study]):
-  """The command line of one study or several (experiments/all.py), run
-  one after another with the same flags and runs directory."""
+def main_many(choose: Callable[[str], list[Study]]):
+  """The command line of one study or several (experiments/all.py):
+  `choose(scale)`, called once the flags are parsed, gives the studies,
+  run one after another with the same flags and runs directory."""
   from absl import app  # pylint: disable=g-import-not-at-top
 
   def run(argv):
@@ -256,7 +257,7 @@ def main_many(studies: list[Study]):
     logging.set_verbosity(logging.WARNING)  # one line per run instead
     seeds = list(range(QUICK_SEEDS if _QUICK.value else _SEEDS.value))
     from diloco_jax.run import stops  # pylint: disable=g-import-not-at-top
-    for study in studies:
+    for study in choose(_SCALE.value):
       scaled = at_scale(study, _SCALE.value)
       out_dir = _OUT.value or os.path.join(runs_dir, scaled.name)
       try:
