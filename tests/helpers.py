@@ -53,6 +53,26 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
           np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
 
 
+def assert_trees_close_but_few(a, b, atol, outlier_atol,
+                               max_outlier_fraction=1e-3):
+  """Every leaf within `atol`, except at most `max_outlier_fraction` of its
+  elements, which must still be within `outlier_atol`.
+
+  For runs of Adam whose gradients are summed in another order: where a
+  gradient cancels to its rounding level, Adam's normalized step can turn
+  a last-bit difference into a step of up to ~lr, even of the other sign,
+  on those few parameters (how few depends on the CPU's vector width).
+  """
+  def check(x, y):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=0, atol=outlier_atol)
+    far = np.abs(x - y) > atol
+    assert far.mean() <= max_outlier_fraction, (
+        f"{far.sum()} of {far.size} elements differ by more than {atol} "
+        f"(max {np.abs(x - y).max():.3g})")
+  jax.tree.map(check, a, b)
+
+
 def small_data_config(**overrides):
   """config.data with the schema's fields and a tiny synthetic corpus."""
   config = config_schema.base_config().data

@@ -99,12 +99,16 @@ def test_fsdp_island_matches_the_replicated_island(data, codec):
   losses, sharded = _run(data, True, codec)
   np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
   # fp32: rounding (the gradient's sum over the batch runs across
-  # devices), which Adam turns into ~1e-5 on a few params (measured max
-  # 1.6e-5); int8: besides, each device's shards are quantized in blocks
-  # of their own (a block's scale differs, one quantization step).
+  # devices), which Adam turns into ~1e-5 on most params; int8: besides,
+  # each device's shards are quantized in blocks of their own (a block's
+  # scale differs, one quantization step). A gradient that cancels to its
+  # rounding level can flip Adam's step (lr 1e-3) on a rare param: 4 inner
+  # steps of 2 lr through Nesterov (0.7, 0.9) bound it by ~1e-2 (measured
+  # 7e-5 on one of 4096 elements at XLA's lowest optimization level).
   atol = 5e-5 if codec is None else 5e-4
-  helpers.assert_trees_close(sharded.global_params, plain.global_params,
-                             rtol=0, atol=atol)
+  helpers.assert_trees_close_but_few(sharded.global_params,
+                                     plain.global_params, atol=atol,
+                                     outlier_atol=1e-2)
   helpers.assert_trees_close(sharded.inner_opt_state, plain.inner_opt_state,
                              rtol=1e-3, atol=1e-5)
   # And the state really is split: each device holds 1 / data of a kernel.

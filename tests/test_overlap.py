@@ -324,12 +324,16 @@ def test_one_round_delayed_ends_where_plain_diloco_does(tmp_path):
   plain = train.train_and_evaluate(
       _config(**one_round, **{"diloco.overlap": "none"}),
       str(tmp_path / "plain"))
-  assert delayed["final_eval_loss"] == plain["final_eval_loss"]
-  jax.tree.map(np.testing.assert_array_equal,
-               test_checkpoint._final_state(str(tmp_path / "delayed"))[
-                   "global_params"],
-               test_checkpoint._final_state(str(tmp_path / "plain"))[
-                   "global_params"])
+  # The same arithmetic in two programs: XLA may fuse (and round) the
+  # outer step's multiply-adds differently between them (the tests compile
+  # at its fastest settings, tests/conftest.py): a few ulps.
+  assert delayed["final_eval_loss"] == pytest.approx(
+      plain["final_eval_loss"], rel=1e-6)
+  helpers.assert_trees_close(
+      test_checkpoint._final_state(str(tmp_path / "delayed"))[
+          "global_params"],
+      test_checkpoint._final_state(str(tmp_path / "plain"))["global_params"],
+      rtol=1e-6, atol=1e-7)
 
 
 def test_resume_with_an_update_in_flight_is_exact(tmp_path):

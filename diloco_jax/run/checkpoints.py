@@ -163,17 +163,30 @@ class Checkpointer:
     better freed now). Finalized checkpoints are untouched.
 
     The failed save's threads get `wait_s` to give up first (else they
-    would write again into what was removed); a thread stuck longer is
-    abandoned, never waited for.
+    would write again into what was removed). While one still runs, what
+    it writes is removed again every 0.2 s, for up to `wait_s` more; a
+    thread stuck longer is abandoned, never waited for. (orbax's helper
+    threads can outlive the save they served by a moment: a sweep that
+    found something is repeated until one finds nothing.)
     """
     if self._read_only or jax.process_index() != 0:
       return
     waiter = threading.Thread(target=self._wait_quietly, daemon=True)
     waiter.start()
     waiter.join(wait_s)
-    for path in glob.glob(os.path.join(glob.escape(self.directory),
-                                       "*.orbax-checkpoint-tmp*")):
+    give_up = time.monotonic() + wait_s
+    while self._remove_temporary_dirs() or waiter.is_alive():
+      if time.monotonic() > give_up:
+        return
+      waiter.join(0.2)
+
+  def _remove_temporary_dirs(self) -> bool:
+    """Removes unfinished saves' directories; True if there were any."""
+    paths = glob.glob(os.path.join(glob.escape(self.directory),
+                                   "*.orbax-checkpoint-tmp*"))
+    for path in paths:
       shutil.rmtree(path, ignore_errors=True)
+    return bool(paths)
 
   def read_meta(self, step: int) -> dict:
     """The JSON record saved with `step` (cheap: no arrays are read).
