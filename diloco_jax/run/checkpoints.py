@@ -181,12 +181,14 @@ class Checkpointer:
       waiter.join(0.2)
 
   def _remove_temporary_dirs(self) -> bool:
-    """Removes unfinished saves' directories; True if there were any."""
-    paths = glob.glob(os.path.join(glob.escape(self.directory),
-                                   "*.orbax-checkpoint-tmp*"))
-    for path in paths:
+    """Removes unfinished saves' directories; True if it removed any (one
+    that cannot be removed, on a read-only disk, is not retried)."""
+    removed = False
+    for path in glob.glob(os.path.join(glob.escape(self.directory),
+                                       "*.orbax-checkpoint-tmp*")):
       shutil.rmtree(path, ignore_errors=True)
-    return bool(paths)
+      removed = removed or not os.path.exists(path)
+    return removed
 
   def read_meta(self, step: int) -> dict:
     """The JSON record saved with `step` (cheap: no arrays are read).
