@@ -6,12 +6,13 @@ reset, in the compute-optimal regime.
 configs/scaling.py's DiLoCo with 1, 4 and 8 islands (the tokens of 4
 islands, so 1 island takes 4x the steps and 8 half), outer Nesterov at
 learning rates 0.4 to 1.0 with momentum 0.9, and momentum 0.8 at lr 0.8;
-then 4 islands with every island's inner optimizer state reset each
-round (config.diloco.inner_state='reset') at two outer steps. The
+at 8 and 2 islands plain averaging (lr 1, momentum 0) and its
+neighbours (lr 0.8 and 1.2 at momentum 0, lr 1 at momentum 0.3); then 4
+islands with every island's inner optimizer state reset each round (config.diloco.inner_state='reset') at two outer steps. The
 scaling-laws study found the best outer learning rate growing with the
 islands: ~0.4 at M=1, ~0.6 at M=2-4, ~0.8 at M=8.
 
-Full run, small: 24 points x 3 seeds; about 3 hours on 2 CPU cores.
+Full run, small: 32 points x 3 seeds; about 4 hours on 2 CPU cores.
 """
 
 from configs import scaling
@@ -53,6 +54,13 @@ def _points(config):
                  _point(k, steps, 1.0, 0.0, reset=True)]
     if k == 1:
       points.append(_point(k, steps, 1.0, 0.3))
+    if k == 8:  # the regime's averaging and its neighbours at 8 islands
+      points += [_point(k, steps, lr, m)
+                 for lr, m in ((0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (1.0, 0.3))]
+  # 2 islands: averaging and its neighbours.
+  steps = scaling.steps_for(config, 2)
+  points += [_point(2, steps, lr, m)
+             for lr, m in ((0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (1.0, 0.3))]
   return tuple(points)
 
 

@@ -146,7 +146,11 @@ def run_workdir(runs_dir: str, config) -> str:
 
 def run_point(study: Study, point: Point, seed: int, runs_dir: str,
               quick: bool) -> dict:
-  """Runs (or resumes, or reads back) one point at one seed."""
+  """Runs (or resumes, or reads back) one point at one seed.
+
+  A workdir holding summary.json is a finished run: its record is read
+  back without training or loading its checkpoints.
+  """
   # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import guards
   from diloco_jax.run import train
@@ -157,6 +161,13 @@ def run_point(study: Study, point: Point, seed: int, runs_dir: str,
   if os.path.exists(failure):
     with open(failure) as f:
       return json.load(f)
+  # Only a finished run writes its summary: read it back as it is, so a runs
+  # directory copied without its checkpoints (runs made on another machine,
+  # or checkpoints deleted for disk space) still counts as finished.
+  summary_path = os.path.join(workdir, "summary.json")
+  if os.path.exists(summary_path):
+    with open(summary_path) as f:
+      return _run_record(json.load(f), seed, workdir)
   start = time.perf_counter()
   try:
     summary = train.train_and_evaluate(config, workdir)
