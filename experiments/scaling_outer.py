@@ -8,7 +8,8 @@ islands, so 1 island takes 4x the steps and 8 half), outer Nesterov at
 learning rates 0.4 to 1.0 with momentum 0.9, and momentum 0.8 at lr 0.8;
 at 8 and 2 islands plain averaging (lr 1, momentum 0) and its
 neighbours (lr 0.8 and 1.2 at momentum 0, lr 1 at momentum 0.3); then 4
-islands with every island's inner optimizer state reset each round (config.diloco.inner_state='reset') at two outer steps. The
+islands with every island's inner optimizer state reset each round
+(config.diloco.inner_state='reset') at two outer steps. The
 scaling-laws study found the best outer learning rate growing with the
 islands: ~0.4 at M=1, ~0.6 at M=2-4, ~0.8 at M=8.
 
