@@ -20,7 +20,17 @@ from configs import scaling
 from experiments import plots
 from experiments import study_lib
 
-_RATES = (0.4, 0.6, 0.8, 1.0)
+# (outer lr, momentum): DiLoCo's Nesterov 0.9 at the scaling-laws study's
+# rates (and momentum 0.8), and plain averaging (lr 1, momentum 0; the
+# regime's default) with its neighbours.
+_NESTEROV = tuple((lr, 0.9) for lr in (0.4, 0.6, 0.8, 1.0)) + ((0.8, 0.8),)
+_AVERAGING = ((0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (1.0, 0.3))
+_OUTER_STEPS = {  # per island count
+    4: _NESTEROV + ((1.0, 0.5), (0.7, 0.5)) + _AVERAGING,
+    1: _NESTEROV + ((1.0, 0.3),),
+    8: _NESTEROV + _AVERAGING,
+    2: _AVERAGING,
+}
 
 
 def _point(k: int, steps: int, lr: float, momentum: float,
@@ -39,29 +49,14 @@ def _point(k: int, steps: int, lr: float, momentum: float,
 
 def _points(config):
   points = []
-  for k in (4, 1, 8):
+  for k, outer_steps in _OUTER_STEPS.items():
     steps = scaling.steps_for(config, k)
-    points += [_point(k, steps, lr, 0.9) for lr in _RATES]
-    points.append(_point(k, steps, 0.8, 0.8))
-    if k == 4:
-      points += [_point(k, steps, 1.0, 0.5), _point(k, steps, 0.7, 0.5),
-                 _point(k, steps, 1.0, 0.3),
-                 _point(k, steps, 0.8, 0.0),
-                 _point(k, steps, 1.0, 0.0),  # FedAvg
-                 _point(k, steps, 1.2, 0.0),
-                 # The inner state reset every round, at DiLoCo's outer
-                 # step and at plain averaging.
-                 _point(k, steps, 0.7, 0.9, reset=True),
-                 _point(k, steps, 1.0, 0.0, reset=True)]
-    if k == 1:
-      points.append(_point(k, steps, 1.0, 0.3))
-    if k == 8:  # the regime's averaging and its neighbours at 8 islands
-      points += [_point(k, steps, lr, m)
-                 for lr, m in ((0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (1.0, 0.3))]
-  # 2 islands: averaging and its neighbours.
-  steps = scaling.steps_for(config, 2)
-  points += [_point(2, steps, lr, m)
-             for lr, m in ((0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (1.0, 0.3))]
+    points += [_point(k, steps, lr, momentum) for lr, momentum in outer_steps]
+  # The inner state reset every round at 4 islands, at DiLoCo's outer step
+  # and at plain averaging.
+  steps = scaling.steps_for(config, 4)
+  points += [_point(4, steps, 0.7, 0.9, reset=True),
+             _point(4, steps, 1.0, 0.0, reset=True)]
   return tuple(points)
 
 
