@@ -139,6 +139,7 @@ def main(argv):
   from diloco_jax.algorithm import guards
   from diloco_jax.config import validation
   from diloco_jax.data import errors as data_errors
+  from diloco_jax.parallel import peer_watch
   from diloco_jax.run import checkpoints as checkpointing
   from diloco_jax.run import files
   from diloco_jax.run import stops
@@ -167,9 +168,9 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     # Often a collective cut short by a process that died: the peer watch
     # names it in one line if so; otherwise the error is raised as is.
-    from diloco_jax.parallel import peer_watch  # pylint: disable=g-import-not-at-top
     peer_watch.wait_for_a_verdict()
     raise
+  peer_watch.finish()  # a multi-process run ends together
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ coordinator, process 0, is seen by JAX's client at once, and it aborts:
 the handler it takes cannot be set from Python in jax 0.10.)
 
 `exit_now` ends a process with its message as the last line, whatever its
-libraries' threads are doing; `leave` tells the other processes first.
+libraries' threads are doing; `leave` tells the other processes first;
+`finish` ends a process whose run finished, together with the others.
 """
 
 import os
@@ -136,8 +137,22 @@ def _shutdown_quietly() -> None:
     pass
 
 
-def exit_now(code: int, message: str) -> None:
-  """Prints `message` as the process's last line and ends it at once.
+def finish() -> None:
+  """Ends this process of a multi-process run that finished, with the
+  others: they leave jax.distributed together (a barrier), then each ends
+  at once. (The interpreter's teardown would keep the CPU collectives'
+  connections open for a while after the first process had gone, and
+  gloo aborts a process whose peer closes a connection under it.) Returns
+  in a run of one process, which ends as usual."""
+  if _peer_watch is None:
+    return
+  leave(None)
+  exit_now(0)
+
+
+def exit_now(code: int, message: str | None = None) -> None:
+  """Prints `message` (if any) as the process's last line and ends it at
+  once.
 
   Threads still running (a library's, waiting for a peer that died or a
   write that failed) neither keep the process alive nor print after the
@@ -150,6 +165,7 @@ def exit_now(code: int, message: str) -> None:
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 2)
   os.dup2(devnull, 1)
-  # After a newline: a thread may have left a line unfinished.
-  os.write(stderr, ("\n" + message + "\n").encode())
+  if message is not None:
+    # After a newline: a thread may have left a line unfinished.
+    os.write(stderr, ("\n" + message + "\n").encode())
   os._exit(code)  # pylint: disable=protected-access
