@@ -15,6 +15,7 @@ others run configs/study.py and are skipped at --scale=large.
 from absl import flags
 
 from experiments import codecs
+from experiments import eager_own_weight
 from experiments import h_sweep
 from experiments import iid_vs_noniid
 from experiments import k_sweep
@@ -35,7 +36,7 @@ from experiments import table2
 MODULES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
            sign_pruning, codecs, outer_vs_island_mean, overlaps,
            overlap_sweep, scaling_table2, scaling_outer, scaling_k_sweep,
-           sparseloco, muloco, scaling_overlaps)
+           sparseloco, muloco, scaling_overlaps, eager_own_weight)
 STUDIES = {module.STUDY.name: module.STUDY for module in MODULES}
 
 _STUDIES = flags.DEFINE_list(

@@ -131,6 +131,10 @@ def _run_record(summary: dict, seed: int, workdir: str) -> dict:
 
 
 FAILURE_FILE = "study_failure.json"  # in a run's workdir: not retried
+# Config fields added after runs were cached: left unset (None) they stay
+# out of a run's hash, so the runs of a config that does not use them are
+# still found.
+LATER_FIELDS = ("diloco.eager_own_weight",)
 
 
 def run_workdir(runs_dir: str, config) -> str:
@@ -139,7 +143,16 @@ def run_workdir(runs_dir: str, config) -> str:
   Studies share their runs: the reference DiLoCo run of one study is a
   point of several others, and runs once.
   """
-  digest = hashlib.sha256(config.to_json_best_effort(
+  hashed = config.copy_and_resolve_references()
+  with hashed.unlocked():
+    for name in LATER_FIELDS:
+      *sections, field = name.split(".")
+      fields = hashed
+      for section in sections:
+        fields = fields[section]
+      if field in fields and fields[field] is None:
+        del fields[field]
+  digest = hashlib.sha256(hashed.to_json_best_effort(
       sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(runs_dir, "runs", digest)
 

@@ -17,6 +17,7 @@ import pytest
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import validation
 from diloco_jax.run import train
+from diloco_jax.run import warm_start
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_overlap
@@ -32,17 +33,18 @@ def _stack(trees):
   return jax.tree.map(lambda *v: np.stack(v), *trees)
 
 
-@pytest.mark.parametrize("islands,data,fsdp", [
-    (2, 1, False),  # one island per device slot
-    (4, 1, False),  # folded: several islands per device
-    (2, 2, True),   # sharded: each island's params split over 2 devices
+@pytest.mark.parametrize("islands,data,fsdp,own_weight", [
+    (2, 1, False, None),  # one island per device slot
+    (4, 1, False, None),  # folded: several islands per device
+    (2, 2, True, None),   # sharded: each island's params split over 2 devices
+    (4, 1, False, 0.5),   # config.diloco.eager_own_weight
 ])
-def test_eager_follows_the_hand_written_rule(islands, data, fsdp):
+def test_eager_follows_the_hand_written_rule(islands, data, fsdp, own_weight):
   """3 rounds in plain numpy: every island's outer point, outer state and
   share, and x, with an island left out of round 1 (weight 0) and one
   diverged in round 2. Float32 sums in another order: rtol 1e-5."""
   params, mesh, shardings, state, outer, flush = test_overlap._delayed_setup(  # pylint: disable=protected-access
-      islands, data, fsdp, overlap="eager")
+      islands, data, fsdp, overlap="eager", eager_own_weight=own_weight)
   x = jax.tree.map(np.float32, params)
   momentum = jax.tree.map(np.zeros_like, x)
   points = [x] * islands  # x_m
@@ -69,9 +71,12 @@ def test_eager_follows_the_hand_written_rule(islands, data, fsdp):
     if r == 2:
       sends[0] = False
     # The shares use the weights every island knows before the
-    # collective; the mean is over the islands that took part.
+    # collective (or the own weight); the mean is over the islands that
+    # took part.
+    own = (weights / weights.sum() if own_weight is None
+           else np.full(islands, own_weight))
     new_shares = [jax.tree.map(
-        lambda d, m=m: (weights[m] / weights.sum() * d[m] if sends[m]
+        lambda d, m=m: (own[m] * d[m] if sends[m]
                         else np.zeros_like(d[m])), deltas)
                   for m in range(islands)]
     w = np.where(sends, weights, 0.0)
@@ -191,6 +196,39 @@ def test_one_island_eager_is_diloco_without_overlap(tmp_path):
   losses = lambda run: [record["train_loss"] for record in
                         test_checkpoint._metrics(str(tmp_path / run))]  # pylint: disable=protected-access
   np.testing.assert_allclose(losses("eager"), losses("plain"), rtol=1e-6)
+
+
+def test_own_weight_one_at_averaging_is_the_rebasing_delay(tmp_path):
+  """eager_own_weight=1 under outer averaging (lr 1, momentum 0): island
+  m starts round r + 1 from x_m(r) = x(r-1) - d_m(r), where the rebasing
+  delay starts it (x_r plus its own progress), and both end at x(R).
+
+  The same sums in another order in two programs, over 4 rounds of
+  training that carry each rounding on: compared to 1e-5."""
+  averaging = {"diloco.outer_optimizer.learning_rate": 1.0,
+               "diloco.outer_optimizer.momentum": 0.0}
+  eager = train.train_and_evaluate(
+      _config(**averaging, **{"diloco.eager_own_weight": 1.0}),
+      str(tmp_path / "eager"))
+  rebase = train.train_and_evaluate(
+      _config(**averaging, **{"diloco.overlap": "one_step_delay_rebase"}),
+      str(tmp_path / "rebase"))
+  np.testing.assert_allclose(eager["final_eval_loss"],
+                             rebase["final_eval_loss"], rtol=1e-5)
+  losses = lambda run: [record["train_loss"] for record in
+                        test_checkpoint._metrics(str(tmp_path / run))]  # pylint: disable=protected-access
+  np.testing.assert_allclose(losses("eager"), losses("rebase"), rtol=1e-5)
+  helpers.assert_trees_close(
+      test_checkpoint._final_state(str(tmp_path / "eager"))["global_params"],  # pylint: disable=protected-access
+      test_checkpoint._final_state(str(tmp_path / "rebase"))["global_params"],  # pylint: disable=protected-access
+      rtol=1e-5, atol=1e-6)
+
+
+def test_the_single_worker_pretraining_of_an_eager_run_is_valid():
+  config = _config(**{"diloco.eager_own_weight": 0.5, "pretrain_steps": 3})
+  pretrain = warm_start.pretrain_config(config)
+  assert pretrain.diloco.eager_own_weight is None
+  validation.validate_config(pretrain, num_devices=8)
 
 
 def test_one_island_s_eager_update_is_its_mean_bit_for_bit():

@@ -32,10 +32,12 @@ from tests import test_streaming
     ("none", "sparseloco", True),
     # The anchors cross to the outer device; the islands rebase at home.
     ("one_step_delay_rebase", "int8", True),
-    # The landed mean comes back; the islands step their own points.
+    # The landed mean comes back; the islands step their own points (here
+    # with an own weight: the share is the same code's other branch).
     ("eager", "int8", True)])
 def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                                       error_feedback):
+  own_weight = 0.75 if overlap == "eager" else None
   islands = 4
   compute, outer_devices = outer_devices_lib.split_devices(jax.devices())
   assert outer_devices == [jax.devices()[-1]]
@@ -50,9 +52,11 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
   shardings = state_lib.state_shardings(host_state, mesh)
   on_device = jax.device_put(host_state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
-                                         inner_opt=inner_opt, overlap=overlap)
+                                         inner_opt=inner_opt, overlap=overlap,
+                                         eager_own_weight=own_weight)
   host = host_outer.build(outer_devices, islands, mesh, outer_opt,
-                          compression, inner_opt, overlap=overlap)
+                          compression, inner_opt, overlap=overlap,
+                          eager_own_weight=own_weight)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
     host.compile_in_background(placement.with_shardings(

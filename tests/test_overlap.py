@@ -56,7 +56,8 @@ def _random_deltas(key, params, islands):
 
 
 def _delayed_setup(islands, data=1, fsdp=False, compression=None,
-                   error_feedback=False, overlap="one_step_delay"):
+                   error_feedback=False, overlap="one_step_delay",
+                   eager_own_weight=None):
   params, _ = helpers.tiny_problem()
   params = jax.tree.map(np.array, params)
   inner_opt = optax.adam(1e-2)
@@ -67,7 +68,8 @@ def _delayed_setup(islands, data=1, fsdp=False, compression=None,
   shardings = state_lib.state_shardings(state, mesh, fsdp)
   state = jax.device_put(state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
-                                         inner_opt=inner_opt, overlap=overlap)
+                                         inner_opt=inner_opt, overlap=overlap,
+                                         eager_own_weight=eager_own_weight)
   flush = outer_step_lib.make_flush(outer_opt, mesh, fsdp)
   return params, mesh, shardings, state, outer, flush
 
@@ -354,6 +356,11 @@ def test_resume_with_an_update_in_flight_is_exact(tmp_path):
     ({"diloco.overlap": "eager", "diloco.fragments": 1,
       "diloco.fragment_delay": 1},
      "config.diloco.overlap='eager' and Streaming DiLoCo"),
+    ({"diloco.eager_own_weight": 0.5},
+     "eager_own_weight=0.5 weighs eager updates' own pseudo-gradient; "
+     "config.diloco.overlap='one_step_delay' has none"),
+    ({"diloco.overlap": "eager", "diloco.eager_own_weight": 1.5},
+     r"eager_own_weight=1.5 must be in \(0, 1\]"),
 ])
 def test_bad_overlap_settings_are_one_error(overrides, message):
   with pytest.raises(validation.ConfigError, match=message):

@@ -190,7 +190,8 @@ def apply_in_flight(outer_opt: optax.GradientTransformation,
 
 def eager_islands(outer_opt: optax.GradientTransformation,
                   state: TrainState, landed, landed_valid, weights,
-                  sends: jax.Array, stages: int = 1) -> TrainState:
+                  sends: jax.Array, stages: int = 1,
+                  own_weight: float | None = None) -> TrainState:
   """Eager updates: every island's own outer step (traceable).
 
   Island m steps its x_m (its anchor, where its round started) with its
@@ -199,7 +200,8 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   `landed_valid`, whether it holds one), u_m(r-1) the share kept in
   `state`, and u_m(r) its fresh pseudo-gradient x_m - y_m weighted by
   `weights` [islands] if it is in `sends` [islands] (it has weight and a
-  finite pseudo-gradient). An island whose D~_m is exactly zero (no mean
+  finite pseudo-gradient), or by `own_weight` if set
+  (config.diloco.eager_own_weight). An island whose D~_m is exactly zero (no mean
   landed and no share of its own) keeps its x_m and outer state: momentum
   alone would move it.
 
@@ -209,7 +211,7 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   pseudo_grads = jax.tree.map(
       lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
       state.anchors, state.island_params)
-  shares = overlap_lib.own_shares(pseudo_grads, weights, sends)
+  shares = overlap_lib.own_shares(pseudo_grads, weights, sends, own_weight)
   updates = overlap_lib.eager_updates(landed, landed_valid, state.own_shares,
                                       shares)
   anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
@@ -290,7 +292,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     fsdp: bool = False,
                     inner_opt: optax.GradientTransformation | None = None,
                     restart_dropped: bool = False, overlap: str = "none",
-                    reset_inner: bool = False):
+                    reset_inner: bool = False,
+                    eager_own_weight: float | None = None):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a dense codec, or None for
@@ -336,8 +339,10 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
 
   With `overlap` 'eager' each island steps its own outer point at once on
   its fresh pseudo-gradient and the others' mean a round late
-  (`eager_islands`) and starts round r + 1 from it; its pseudo-gradient is
-  taken against that point (its anchor). A diverged island starts from its
+  (`eager_islands`; `eager_own_weight`: the weight of its own, None for
+  its share of the mean) and starts round r + 1 from it; its
+  pseudo-gradient is taken against that point (its anchor). A diverged
+  island starts from its
   own point with a fresh inner state. x, the islands' average point
   (state.eager_consensus), is not formed in a round: the run forms it to
   evaluate and at the end.
@@ -364,7 +369,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                                       stages)
     if eager:
       state = eager_islands(outer_opt, state, landed, landed_valid, weights,
-                            finite & (weights > 0), stages)
+                            finite & (weights > 0), stages, eager_own_weight)
     restart = state_lib.restart_islands(finite, weights, restart_dropped, reset_inner)
     state = next_round(state, state.global_params, restart, included,
                        inner_opt, stages)

@@ -24,8 +24,11 @@ config.diloco.overlap:
                               x_m(r) = OuterOpt_m(x_m(r-1), D~_m(r)),
                             and starts round r + 1 from x_m(r); d_m(r) is
                             taken against x_m(r-1) (its anchor). When D(r)
-                            lands, its others' part replaces the island's
-                            u_m(r) in the next D~; nothing is recomputed.
+                            lands, it replaces the island's u_m(r) in the
+                            next D~; nothing is recomputed. With
+                            config.diloco.eager_own_weight = c the island
+                            applies u_m(r) = c d_m(r) instead (c = 1: all of
+                            its round at once, as the rebasing delay does).
                             x, the model the run is judged by, is the
                             islands' average point, formed to evaluate and
                             at the end (after the rest of the last mean,
@@ -62,19 +65,29 @@ def anchored(overlap: str) -> bool:
   return is_delayed(overlap) and overlap in ANCHORED_OVERLAPS
 
 
-def own_shares(pseudo_grads, weights: jax.Array, sends: jax.Array):
+def own_shares(pseudo_grads, weights: jax.Array, sends: jax.Array,
+               own_weight: float | None = None):
   """u_m = w_m d_m / sum_j w_j per island (stacked like `pseudo_grads`, in
-  float32): each island's share of the mean it is about to send; 0 for an
-  island not in `sends` [islands] (no weight, or a pseudo-gradient that is
-  not finite).
+  float32): each island's share of the mean it is about to send, or
+  u_m = own_weight * d_m; 0 for an island not in `sends` [islands] (no
+  weight, or a pseudo-gradient that is not finite).
 
   The total is over the weights every island knows before the collective
   (the round's schedule). The landed mean is normalized over the islands
   that took part and replaces these shares a round later, so a difference
   between the two lasts one round.
+
+  Why a weight of its own: the share (the paper's) keeps the islands' points
+  close but leaves the others' part of the round's progress a round late;
+  own_weight = 1 applies the island's whole round at once (nothing late if
+  the islands agree) but lets its points drift from the others' for a
+  round. Between the two, each island's point holds part of both.
   """
-  total = jnp.sum(weights)
-  share = jnp.where(sends, weights / jnp.where(total > 0, total, 1.0), 0.0)
+  if own_weight is None:
+    total = jnp.sum(weights)
+    share = jnp.where(sends, weights / jnp.where(total > 0, total, 1.0), 0.0)
+  else:
+    share = jnp.where(sends, jnp.float32(own_weight), 0.0)
   def one(d):
     column = lambda v: v.reshape((-1,) + (1,) * (d.ndim - 1))
     # NaN x 0 is still NaN: a diverged island's values are dropped first.

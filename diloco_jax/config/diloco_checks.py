@@ -108,6 +108,16 @@ def _check_overlap_and_placement(config, problems: Problems) -> None:
       mode == "diloco" or diloco.overlap == "none", "diloco.overlap",
       f"config.diloco.overlap={diloco.overlap!r} overlaps DiLoCo's outer "
       f"steps; config.mode={mode!r} has none")
+  own_weight = diloco.eager_own_weight
+  if own_weight is not None:
+    problems.require(
+        diloco.overlap == "eager", "diloco.eager_own_weight",
+        f"config.diloco.eager_own_weight={own_weight} weighs eager updates' "
+        f"own pseudo-gradient; config.diloco.overlap={diloco.overlap!r} has "
+        "none (set overlap='eager' or leave it unset)")
+    problems.require(
+        0 < own_weight <= 1, "diloco.eager_own_weight",
+        f"config.diloco.eager_own_weight={own_weight} must be in (0, 1]")
   problems.require(
       diloco.outer_placement in outer_devices.PLACEMENTS,
       "diloco.outer_placement",

@@ -103,6 +103,11 @@ def _diloco() -> Section:
       # its share of the mean in flight (algorithm/overlap.py). Each mode
       # has its own outer-optimizer defaults (config/overlap_defaults.py).
       "overlap": "none",
+      # 'eager' only: the weight an island gives its own fresh
+      # pseudo-gradient while the mean is in flight. Unset (None): its share
+      # of the mean, w_m / sum_j w_j (the paper's); c in (0, 1]: c d_m
+      # (1 applies its whole round at once, as the rebasing delay does).
+      "eager_own_weight": config_dict.placeholder(float),
       # Where x, the outer optimizer state and the cross-island collective
       # live (run/host_outer.py): 'device' with the islands; 'host' on one
       # other device per process (the host's CPU beside accelerators; a CPU

@@ -64,8 +64,10 @@ class RoundOuter(OuterSide):
                outer_opt: optax.GradientTransformation, sync,
                inner_opt: optax.GradientTransformation, overlap: str,
                restart_dropped: bool, fsdp: bool,
-               reset_inner: bool = False):
-    """`sync`: outer_step.make_island_sync's on `mesh`."""
+               reset_inner: bool = False,
+               eager_own_weight: float | None = None):
+    """`sync`: outer_step.make_island_sync's on `mesh`; `eager_own_weight`:
+    config.diloco.eager_own_weight."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
     self._anchored = overlap_lib.anchored(overlap)
@@ -96,7 +98,8 @@ class RoundOuter(OuterSide):
       """Eager updates: the islands' own outer steps on the mean that
       landed, then the next round (x is not formed in a round)."""
       state = outer_step_lib.eager_islands(outer_opt, state, landed,
-                                           landed_valid, weights, keep)
+                                           landed_valid, weights, keep,
+                                           own_weight=eager_own_weight)
       return reset(state, state.global_params, restart, keep, True)
 
     def settle(state, landed, landed_valid, outer_state):
@@ -298,7 +301,8 @@ def build(outer_devices, islands: int, compute_mesh,
           inner_opt: optax.GradientTransformation,
           rounding_seed: int | None = None, restart_dropped: bool = False,
           overlap: str = "none", fragments: int | None = None,
-          fsdp: bool = False, reset_inner: bool = False) -> OuterSide:
+          fsdp: bool = False, reset_inner: bool = False,
+          eager_own_weight: float | None = None) -> OuterSide:
   """The outer side of a run with outer_placement='host' on
   `outer_devices` (one per process).
 
@@ -321,4 +325,5 @@ def build(outer_devices, islands: int, compute_mesh,
   return RoundOuter(mesh, islands, compute_mesh, outer_opt=outer_opt,
                     sync=sync, inner_opt=inner_opt, overlap=overlap,
                     restart_dropped=restart_dropped, fsdp=fsdp,
-                    reset_inner=reset_inner)
+                    reset_inner=reset_inner,
+                    eager_own_weight=eager_own_weight)

@@ -115,7 +115,9 @@ def _outer_programs(run_config: run_config_lib.RunConfig, mesh,
       inner_opt=spec.inner_opt,
       restart_dropped=config.diloco.dropped_islands == "idle",
       overlap=overlap,
-      reset_inner=config.diloco.inner_state == "reset").lower(state, weights).compile()}
+      reset_inner=config.diloco.inner_state == "reset",
+      eager_own_weight=config.diloco.eager_own_weight).lower(
+          state, weights).compile()}
   if overlap_lib.is_delayed(overlap):
     programs["flush"] = outer_step_lib.make_flush(
         spec.outer_opt, mesh, fsdp).lower(state).compile()

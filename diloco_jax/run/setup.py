@@ -250,7 +250,8 @@ def _host_outer(run_config: run_config_lib.RunConfig,
       overlap=config.diloco.overlap,
       fragments=config.diloco.fragments if run_config.streaming else None,
       fsdp=config.mesh.fsdp,
-      reset_inner=config.diloco.inner_state == "reset")
+      reset_inner=config.diloco.inner_state == "reset",
+      eager_own_weight=config.diloco.eager_own_weight)
 
 
 def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:
