@@ -382,6 +382,15 @@ def test_unset_outer_settings_take_the_overlap_s_defaults(overlap):
   assert config.diloco.outer_optimizer.learning_rate is None
 
 
+def test_eager_with_an_own_weight_takes_its_own_defaults():
+  config = _config(**{"diloco.overlap": "eager",
+                      "diloco.eager_own_weight": 1.0})
+  outer = validation.validate_config(config, num_devices=8).config.diloco \
+      .outer_optimizer
+  assert (outer.learning_rate, outer.momentum) == (
+      overlap_defaults.EAGER_OWN_WEIGHT_DEFAULTS)
+
+
 def test_outer_settings_a_config_sets_are_kept():
   config = _config(**{"diloco.outer_optimizer.learning_rate": 0.3})
   outer = validation.validate_config(config, num_devices=8).config.diloco \

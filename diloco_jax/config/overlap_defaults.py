@@ -7,7 +7,8 @@ falls for two rounds, then oscillates and climbs. A linear model of a round
 iteration's spectral radius above 1 there and below 1 without the delay.
 So each overlap mode has its own (learning rate, momentum) for outer
 Nesterov, measured by experiments/overlap_sweep.py (configs/study.py,
-3 seeds), used when a config leaves config.diloco.outer_optimizer.
+3 seeds; eager with an own weight by experiments/eager_own_weight.py), used
+when a config leaves config.diloco.outer_optimizer.
 learning_rate or momentum unset (None). Values a config or flag sets are
 kept as they are.
 """
@@ -21,15 +22,24 @@ NESTEROV_DEFAULTS = {
     "one_step_delay_rebase": (0.7, 0.5),
     "eager": (1.0, 0.0),
 }
+# Eager updates with config.diloco.eager_own_weight set: more of a round
+# applied at once wants a smaller lr and more momentum than the share's
+# averaging (experiments/eager_own_weight.py: the best step at weight 1,
+# within a point of the best at 0.75).
+EAGER_OWN_WEIGHT_DEFAULTS = (0.5, 0.7)
 # Other outer optimizers ('sgd', 'momentum', 'adam') are not overlap-tuned.
 OTHER_DEFAULTS = NESTEROV_DEFAULTS["none"]
 
 
-def outer_defaults(optimizer: str, overlap: str) -> tuple[float, float]:
+def outer_defaults(optimizer: str, overlap: str,
+                   eager_own_weight: float | None = None
+                   ) -> tuple[float, float]:
   """(learning rate, momentum) an unset outer optimizer field takes."""
-  if optimizer == "nesterov":
-    return NESTEROV_DEFAULTS.get(overlap, NESTEROV_DEFAULTS["none"])
-  return OTHER_DEFAULTS
+  if optimizer != "nesterov":
+    return OTHER_DEFAULTS
+  if overlap == "eager" and eager_own_weight is not None:
+    return EAGER_OWN_WEIGHT_DEFAULTS
+  return NESTEROV_DEFAULTS.get(overlap, NESTEROV_DEFAULTS["none"])
 
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -45,8 +55,9 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # Its step is x - alpha * mean: its momentum is the error feedback.
     learning_rate, momentum = resolved.diloco.sparseloco.alpha, 0.0
   else:
-    learning_rate, momentum = outer_defaults(outer.name,
-                                             resolved.diloco.overlap)
+    learning_rate, momentum = outer_defaults(
+        outer.name, resolved.diloco.overlap,
+        resolved.diloco.get("eager_own_weight"))
   if outer.learning_rate is None:
     outer.learning_rate = learning_rate
   if outer.momentum is None:

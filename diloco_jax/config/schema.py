@@ -106,7 +106,8 @@ def _diloco() -> Section:
       # 'eager' only: the weight an island gives its own fresh
       # pseudo-gradient while the mean is in flight. Unset (None): its share
       # of the mean, w_m / sum_j w_j (the paper's); c in (0, 1]: c d_m
-      # (1 applies its whole round at once, as the rebasing delay does).
+      # (1 applies its whole round at once, as the rebasing delay does;
+      # set, the unset outer lr and momentum default to 0.5 and 0.7).
       "eager_own_weight": config_dict.placeholder(float),
       # Where x, the outer optimizer state and the cross-island collective
       # live (run/host_outer.py): 'device' with the islands; 'host' on one
