@@ -199,11 +199,10 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   `landed` is D(r-1), the mean that has had this round to arrive (with
   `landed_valid`, whether it holds one), u_m(r-1) the share kept in
   `state`, and u_m(r) its fresh pseudo-gradient x_m - y_m weighted by
-  `weights` [islands] if it is in `sends` [islands] (it has weight and a
-  finite pseudo-gradient), or by `own_weight` if set
-  (config.diloco.eager_own_weight). An island whose D~_m is exactly zero (no mean
-  landed and no share of its own) keeps its x_m and outer state: momentum
-  alone would move it.
+  `weights` [islands] (or by `own_weight`, if set) if it is in `sends`
+  [islands] (it has weight and a finite pseudo-gradient). An island whose
+  D~_m is exactly zero (no mean landed and no share of its own) keeps its
+  x_m and outer state: momentum alone would move it.
 
   Returns `state` with x_m(r) as the anchors (where next_round starts
   the islands), the islands' outer states and u_m(r).
@@ -339,13 +338,12 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
 
   With `overlap` 'eager' each island steps its own outer point at once on
   its fresh pseudo-gradient and the others' mean a round late
-  (`eager_islands`; `eager_own_weight`: the weight of its own, None for
-  its share of the mean) and starts round r + 1 from it; its
+  (`eager_islands`, its own part weighted by `eager_own_weight`, or its
+  share of the mean if None) and starts round r + 1 from it; its
   pseudo-gradient is taken against that point (its anchor). A diverged
-  island starts from its
-  own point with a fresh inner state. x, the islands' average point
-  (state.eager_consensus), is not formed in a round: the run forms it to
-  evaluate and at the end.
+  island starts from its own point with a fresh inner state. x, the
+  islands' average point (state.eager_consensus), is not formed in a
+  round: the run forms it to evaluate and at the end.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
