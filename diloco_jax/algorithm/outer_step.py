@@ -319,31 +319,17 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   If no island takes part, x, the outer optimizer state and the codec
   state do not change.
 
-  With `overlap` 'one_step_delay' (DiLoCoX's overlap of communication with
-  local training), round r's pseudo-gradients are taken against the x the
-  islands started from, s_r, and their mean D(r) is left in flight
-  (state.in_flight); the outer optimizer steps on D(r - 1), the mean that
-  had all of round r to arrive: x_r = OuterOpt(x_{r-1}, D(r - 1)), and
-  round r + 1 starts from s_{r+1} = x_r. Round 0 applies nothing (s_0 = s_1
-  = x_0); make_flush applies the last mean at the end of the run.
-
-  With `overlap` 'one_step_delay_rebase' the timing is the same, but no
-  island discards its round: its pseudo-gradient is taken against its
-  anchor a_i (where it started the round), and it starts round r + 1 from
-  x_r + (y_i - a_i), its own progress of round r rebased onto x_r, which
-  becomes its anchor. When D(r) lands (at the end of round r + 1) x takes
-  the islands' mean of that progress and each island's own copy of it is
-  dropped by the next rebase. An island left out of the mean (weight 0 or
-  diverged) starts from x_r alone.
-
-  With `overlap` 'eager' each island steps its own outer point at once on
-  its fresh pseudo-gradient and the others' mean a round late
-  (`eager_islands`, its own part weighted by `eager_own_weight`, or its
-  share of the mean if None) and starts round r + 1 from it; its
-  pseudo-gradient is taken against that point (its anchor). A diverged
-  island starts from its own point with a fresh inner state. x, the
-  islands' average point (state.eager_consensus), is not formed in a
-  round: the run forms it to evaluate and at the end.
+  `overlap` picks the rule algorithm/overlap.py states. The delayed modes
+  leave round r's mean D(r) in flight (state.in_flight) and apply it a
+  round later: 'one_step_delay' restarts every island from x_r,
+  'one_step_delay_rebase' from x_r plus its own progress since its anchor
+  (overlap.rebase; an island left out of the mean from x_r alone), and
+  'eager' steps each island's own point at once (`eager_islands`, its own
+  part weighted by `eager_own_weight`, or its share of the mean if None);
+  a diverged island then starts from its own point with a fresh inner
+  state, and x, the islands' average point (state.eager_consensus), is
+  formed only to evaluate and at the end. Round 0 applies nothing;
+  make_flush applies the last mean at the end of the run.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
