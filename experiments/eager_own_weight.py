@@ -5,16 +5,17 @@ applies while the islands' mean is in flight.
 
 DiLoCo with 4 islands and H=25 after the shared pretraining (configs/
 study.py), without overlap (the reference, outer Nesterov lr 0.7,
-momentum 0.9) and with eager updates at three own weights: the island's
+momentum 0.9) and with eager updates at own weights from the island's
 share of the mean (the paper's, 1/4 here; config.diloco.eager_own_weight
-unset), 0.5 and 1 (its whole round at once, as the rebasing delay does),
-each at outer averaging (lr 1, momentum 0, eager's default) and at lr 0.7,
-momentum 0.5 (the rebasing delay's). A small weight keeps the islands'
-points together but leaves most of the round's progress a round late; a
-weight of 1 leaves nothing late when the islands agree but lets each
-drift from the others for a round.
+unset) through 0.5, 0.75 and 0.9 to 1 (its whole round at once, as the
+rebasing delay does), each at a few outer steps between outer averaging
+(lr 1, momentum 0, eager's default) and lr 0.4, momentum 0.8, finer around
+the best. A small weight keeps the islands' points together but leaves
+most of the round's progress a round late; a weight of 1 leaves nothing
+late when the islands agree but lets each drift from the others for a
+round.
 
-Full run: 12 points x 3 seeds; the runs take about 45 minutes on 2 CPU
+Full run: 18 points x 3 seeds; the runs take about 65 minutes on 2 CPU
 cores.
 """
 
@@ -25,7 +26,10 @@ from experiments import study_lib
 POINTS = ((None, 1.0, 0.0), (0.5, 1.0, 0.0), (0.5, 0.7, 0.5),
           (0.5, 0.5, 0.7), (0.75, 0.7, 0.5), (0.75, 0.5, 0.7),
           (1.0, 1.0, 0.0), (1.0, 0.7, 0.5), (1.0, 0.8, 0.5), (1.0, 0.5, 0.7),
-          (1.0, 0.4, 0.8))
+          (1.0, 0.4, 0.8),
+          # A finer look around the best of the points above.
+          (0.9, 0.5, 0.7), (0.9, 0.6, 0.6), (1.0, 0.5, 0.6), (1.0, 0.6, 0.6),
+          (1.0, 0.6, 0.7), (1.0, 0.5, 0.8))
 
 
 def _point(own_weight, lr: float, momentum: float) -> study_lib.Point:
@@ -48,7 +52,8 @@ STUDY = study_lib.Study(
     points=(study_lib.Point("none_lr0.7_m0.9", {}),) + tuple(
         _point(*p) for p in POINTS),
     reference="none_lr0.7_m0.9",
-    plot=plots.sweep_plot("own weight (0.25: the island's share, 4 islands)"),
+    plot=plots.sweep_plot("own weight (0.25: the island's share, 4 islands)",
+                         versus_reference=True),
     quick_points=("none_lr0.7_m0.9", "eager_own0.5_lr0.7_m0.5"),
 )
 

@@ -74,26 +74,42 @@ def _bars(ax, rows: list, results: dict) -> None:
   ax.set_ylabel("final eval loss (nats/token)")
 
 
-def sweep_plot(xlabel: str, logx: bool = False):
-  """A plot(results, path) of final eval loss against each point's x."""
+def sweep_plot(xlabel: str, logx: bool = False,
+               versus_reference: bool = False):
+  """A plot(results, path) of final eval loss against each point's x, or
+  with `versus_reference` of its perplexity change against the study's
+  reference, paired by seed: where the seeds move every point together,
+  the paired spread is the one that says which point is better."""
 
   def plot(results: dict, path: str) -> None:
     plt = pyplot()
     rows = [row for row in _finished(results) if row["x"] is not None]
+    if versus_reference:
+      rows = [row for row in rows
+              if row["perplexity_change_vs_reference"]["mean"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     for series in dict.fromkeys(row.get("series", "") for row in rows):
       line = sorted((row for row in rows if row.get("series", "") == series),
                     key=lambda row: row["x"])
-      ax.errorbar([row["x"] for row in line],
-                  [row["eval_loss"]["mean"] for row in line],
-                  yerr=[row["eval_loss"]["std"] for row in line], marker="o",
-                  capsize=4, label=series or None)
+      if versus_reference:
+        changes = [row["perplexity_change_vs_reference"] for row in line]
+        means = [100 * change["mean"] for change in changes]
+        spreads = [100 * change["std"] for change in changes]
+      else:
+        means = [row["eval_loss"]["mean"] for row in line]
+        spreads = [row["eval_loss"]["std"] for row in line]
+      ax.errorbar([row["x"] for row in line], means, yerr=spreads,
+                  marker="o", capsize=4, label=series or None)
     if any(row.get("series") for row in rows):
       ax.legend(fontsize=8)
     if logx:
       ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("final eval loss (nats/token)")
+    if versus_reference:
+      ax.axhline(0, color="black", linewidth=0.8)
+      ax.set_ylabel(f"perplexity vs {results['reference']} (%, by seed)")
+    else:
+      ax.set_ylabel("final eval loss (nats/token)")
     _finish(plt, fig, ax, results, path)
 
   return plot
