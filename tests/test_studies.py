@@ -153,6 +153,35 @@ def test_paired_perplexity_change_and_spread():
       results)
 
 
+def test_a_sweep_plot_against_the_reference_shows_the_paired_changes(
+    tmp_path, monkeypatch):
+  import matplotlib.axes  # pylint: disable=g-import-not-at-top
+  drawn = []
+  monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                      lambda self, x, y, yerr, **_: drawn.append((x, y, yerr)))
+  study = study_lib.Study("s", "t", "c", (), "ref", plots.bar_plot)
+  run = lambda seed, loss: {"seed": seed, "status": "done",
+                            "final_eval_loss": loss, "comm_bytes": 1,
+                            "wall_s": 1.0}
+  runs = {"ref": [run(0, 2.0), run(1, 3.0)],
+          "a": [run(0, 2.1), run(1, 3.1)],
+          "b": [run(0, 2.0), run(1, 3.2)]}
+  points = [study_lib.Point("ref", {}), study_lib.Point("a", {}, x=0.5),
+            study_lib.Point("b", {}, x=1.0)]
+  results = tables.summarize(study, runs, [0, 1], False, points)
+  path = tmp_path / "sweep.png"
+  plots.sweep_plot("x", versus_reference=True)(results, str(path))
+  # One line over the points with an x (the reference has none), in percent
+  # of perplexity against the reference, spread by seed.
+  [(xs, changes, spreads)] = drawn
+  assert xs == [0.5, 1.0]
+  assert changes == pytest.approx(
+      [100 * (math.exp(0.1) - 1), 100 * (math.exp(0.2) - 1) / 2])
+  assert spreads[0] == pytest.approx(0.0, abs=1e-9)
+  assert spreads[1] == pytest.approx(100 * (math.exp(0.2) - 1) / math.sqrt(2))
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_all_runs_every_study_module_once_and_checks_names():
   modules = {os.path.splitext(name)[0] for name in os.listdir("experiments")
              if name.endswith(".py")}
