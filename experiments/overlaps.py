@@ -13,6 +13,9 @@ against the ways this codebase lets the collective run beside training:
   delay_m0.9             the same at DiLoCo's lr 0.7, momentum 0.9;
   rebase, rebase_m0.9    one_step_delay_rebase, likewise;
   eager                  eager updates at their default outer step;
+  eager_own1             eager updates with each island's whole fresh
+                         pseudo-gradient applied at once (eager_own_weight
+                         = 1) at that weight's default outer step;
   streaming              Streaming DiLoCo: 2 fragments on staggered
                          schedules, each sync overlapping tau = 5 inner
                          steps, merged with alpha = 0.5.
@@ -28,7 +31,7 @@ device of its own (outer_placement='host', where an overlap hides it), at
 the reference run's measured inner-step time. The delayed modes' per-round evals score x
 before the mean in flight lands; eager's score the islands' average point.
 
-Full run: 14 points x 3 seeds; the runs take about 45 minutes on 2 CPU
+Full run: 16 points x 3 seeds; the runs take about 55 minutes on 2 CPU
 cores.
 """
 
@@ -49,6 +52,7 @@ _MODES = {
     "rebase_m0.9": {"diloco.overlap": "one_step_delay_rebase",
                     **_DILOCO_OUTER},
     "eager": {"diloco.overlap": "eager"},
+    "eager_own1": {"diloco.overlap": "eager", "diloco.eager_own_weight": 1.0},
     "streaming": {"diloco.fragments": 2, "diloco.fragment_delay": 5,
                   "diloco.fragment_alpha": 0.5},
 }

@@ -5,12 +5,13 @@ round or a fragment's sync costs over many rounds.
 
 configs/scaling.py (4 islands, H=10, 73 rounds at the small scale; outer
 averaging, lr 1, momentum 0, the regime's tuned step) without overlap,
-with eager updates (the island's share, and an own weight of 0.5), with
+with eager updates (the island's share, an own weight of 0.5, and of 1
+at its own outer step, lr 0.5, momentum 0.7), with
 the rebasing one-step delay, and as Streaming DiLoCo (2 fragments, tau 5,
 alpha 0.5). The eager-updates paper: eager costs ~1% loss at 500M-1B
 with H=30 over many rounds, where the naive delay costs 13%.
 
-Full run, small: 5 points x 3 seeds; about 38 minutes on 2 CPU cores.
+Full run, small: 6 points x 3 seeds; about 45 minutes on 2 CPU cores.
 """
 
 from experiments import plots
@@ -26,6 +27,13 @@ STUDY = study_lib.Study(
         study_lib.Point("eager", {"diloco.overlap": "eager"}),
         study_lib.Point("eager_own0.5", {"diloco.overlap": "eager",
                                          "diloco.eager_own_weight": 0.5}),
+        # A weight of 1 wants a smaller lr and more momentum than averaging
+        # (experiments/eager_own_weight.py): its default step, set here
+        # since the regime's base config sets averaging.
+        study_lib.Point("eager_own1", {
+            "diloco.overlap": "eager", "diloco.eager_own_weight": 1.0,
+            "diloco.outer_optimizer.learning_rate": 0.5,
+            "diloco.outer_optimizer.momentum": 0.7}),
         study_lib.Point("rebase", {"diloco.overlap": "one_step_delay_rebase"}),
         study_lib.Point("streaming", {"diloco.fragments": 2,
                                       "diloco.fragment_delay": 5,
