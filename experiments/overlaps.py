@@ -31,7 +31,7 @@ device of its own (outer_placement='host', where an overlap hides it), at
 the reference run's measured inner-step time. The delayed modes' per-round evals score x
 before the mean in flight lands; eager's score the islands' average point.
 
-Full run: 16 points x 3 seeds; the runs take about 55 minutes on 2 CPU
+Full run: 16 points x 3 seeds; the runs take about 70 minutes on 2 CPU
 cores.
 """
 

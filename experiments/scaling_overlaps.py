@@ -14,8 +14,12 @@ with H=30 over many rounds, where the naive delay costs 13%.
 Full run, small: 6 points x 3 seeds; about 45 minutes on 2 CPU cores.
 """
 
+from diloco_jax.config import overlap_defaults
 from experiments import plots
 from experiments import study_lib
+
+_OWN_WEIGHT_LR, _OWN_WEIGHT_MOMENTUM = (
+    overlap_defaults.EAGER_OWN_WEIGHT_DEFAULTS)
 
 STUDY = study_lib.Study(
     name="scaling_overlaps",
@@ -27,13 +31,13 @@ STUDY = study_lib.Study(
         study_lib.Point("eager", {"diloco.overlap": "eager"}),
         study_lib.Point("eager_own0.5", {"diloco.overlap": "eager",
                                          "diloco.eager_own_weight": 0.5}),
-        # A weight of 1 wants a smaller lr and more momentum than averaging
-        # (experiments/eager_own_weight.py): its default step, set here
-        # since the regime's base config sets averaging.
+        # A weight of 1 wants a smaller lr and more momentum than averaging:
+        # its default step, set here since the regime's base config sets
+        # averaging.
         study_lib.Point("eager_own1", {
             "diloco.overlap": "eager", "diloco.eager_own_weight": 1.0,
-            "diloco.outer_optimizer.learning_rate": 0.5,
-            "diloco.outer_optimizer.momentum": 0.7}),
+            "diloco.outer_optimizer.learning_rate": _OWN_WEIGHT_LR,
+            "diloco.outer_optimizer.momentum": _OWN_WEIGHT_MOMENTUM}),
         study_lib.Point("rebase", {"diloco.overlap": "one_step_delay_rebase"}),
         study_lib.Point("streaming", {"diloco.fragments": 2,
                                       "diloco.fragment_delay": 5,
