@@ -13,7 +13,7 @@ steps. Sending e2m1 floats cuts the bytes 7.7x against fp32.
 Where a fragment's sync takes longer than tau inner steps (a slower link,
 a bigger model), a whole-round overlap hides more: --config.diloco.
 fragments=1 --config.diloco.fragment_delay=0 --config.diloco.fragment_alpha=0
---config.diloco.overlap=one_step_delay_rebase (or eager), at a cost in loss
+--config.diloco.overlap=eager (or one_step_delay_rebase), at a cost in loss
 over few rounds (docs/islands.md).
 """
 

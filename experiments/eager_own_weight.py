@@ -6,14 +6,14 @@ applies while the islands' mean is in flight.
 DiLoCo with 4 islands and H=25 after the shared pretraining (configs/
 study.py), without overlap (the reference, outer Nesterov lr 0.7,
 momentum 0.9) and with eager updates at own weights from the island's
-share of the mean (the paper's, 1/4 here; config.diloco.eager_own_weight
-unset) through 0.5, 0.75 and 0.9 to 1 (its whole round at once, as the
-rebasing delay does), each at a few outer steps between outer averaging
-(lr 1, momentum 0, eager's default) and lr 0.4, momentum 0.8, finer around
-the best. A small weight keeps the islands' points together but leaves
-most of the round's progress a round late; a weight of 1 leaves nothing
-late when the islands agree but lets each drift from the others for a
-round.
+share of the mean (the paper's, 1/4 here; overlap='eager_share') through
+0.5, 0.75 and 0.9 to 1 (its whole round at once, as the rebasing delay
+does; 'eager' unless config.diloco.eager_own_weight says otherwise), each
+at a few outer steps between outer averaging (lr 1, momentum 0, the
+share's default) and lr 0.4, momentum 0.8, finer around the best. A
+small weight keeps the islands' points together but leaves most of the
+round's progress a round late; a weight of 1 leaves nothing late when the
+islands agree but lets each drift from the others for a round.
 
 Full run: 18 points x 3 seeds; the runs take about 65 minutes on 2 CPU
 cores.
@@ -34,10 +34,11 @@ POINTS = ((None, 1.0, 0.0), (0.5, 1.0, 0.0), (0.5, 0.7, 0.5),
 
 def _point(own_weight, lr: float, momentum: float) -> study_lib.Point:
   name = "share" if own_weight is None else f"own{own_weight}"
+  rule = ({"diloco.overlap": "eager_share"} if own_weight is None else
+          {"diloco.overlap": "eager", "diloco.eager_own_weight": own_weight})
   return study_lib.Point(
       f"eager_{name}_lr{lr}_m{momentum}",
-      {"diloco.overlap": "eager", "diloco.eager_own_weight": own_weight,
-       "diloco.outer_optimizer.learning_rate": lr,
+      {**rule, "diloco.outer_optimizer.learning_rate": lr,
        "diloco.outer_optimizer.momentum": momentum},
       x=0.25 if own_weight is None else own_weight,
       series=f"lr {lr}, momentum {momentum}")

@@ -23,7 +23,8 @@ GRID = {
     "one_step_delay": ((0.5, 0.0), (0.8, 0.0), (0.3, 0.5), (0.5, 0.5)),
     "one_step_delay_rebase": ((0.8, 0.0), (1.0, 0.0), (0.5, 0.5),
                               (0.7, 0.5)),
-    "eager": ((0.7, 0.9), (0.8, 0.0), (1.0, 0.0), (1.2, 0.0), (0.5, 0.7)),
+    "eager_share": ((0.7, 0.9), (0.8, 0.0), (1.0, 0.0), (1.2, 0.0),
+                    (0.5, 0.7)),
 }
 
 
@@ -47,7 +48,7 @@ STUDY = study_lib.Study(
         for mode, pairs in GRID.items() for lr, momentum in pairs),
     reference="none_lr0.7_m0.9",
     plot=plots.sweep_plot("outer learning rate"),
-    quick_points=("none_lr0.7_m0.9", "eager_lr0.7_m0.9"),
+    quick_points=("none_lr0.7_m0.9", "eager_share_lr0.7_m0.9"),
 )
 
 if __name__ == "__main__":

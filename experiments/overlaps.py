@@ -12,10 +12,12 @@ against the ways this codebase lets the collective run beside training:
                          momentum 0; config/overlap_defaults.py);
   delay_m0.9             the same at DiLoCo's lr 0.7, momentum 0.9;
   rebase, rebase_m0.9    one_step_delay_rebase, likewise;
-  eager                  eager updates at their default outer step;
-  eager_own1             eager updates with each island's whole fresh
-                         pseudo-gradient applied at once (eager_own_weight
-                         = 1) at that weight's default outer step;
+  eager                  eager updates, each island's whole fresh
+                         pseudo-gradient applied at once, at their default
+                         outer step (lr 0.5, momentum 0.7);
+  eager_share            the paper's eager updates, each island's share of
+                         the mean applied at once, at theirs (lr 1,
+                         momentum 0);
   streaming              Streaming DiLoCo: 2 fragments on staggered
                          schedules, each sync overlapping tau = 5 inner
                          steps, merged with alpha = 0.5.
@@ -52,7 +54,7 @@ _MODES = {
     "rebase_m0.9": {"diloco.overlap": "one_step_delay_rebase",
                     **_DILOCO_OUTER},
     "eager": {"diloco.overlap": "eager"},
-    "eager_own1": {"diloco.overlap": "eager", "diloco.eager_own_weight": 1.0},
+    "eager_share": {"diloco.overlap": "eager_share"},
     "streaming": {"diloco.fragments": 2, "diloco.fragment_delay": 5,
                   "diloco.fragment_alpha": 0.5},
 }

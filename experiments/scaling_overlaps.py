@@ -5,8 +5,8 @@ round or a fragment's sync costs over many rounds.
 
 configs/scaling.py (4 islands, H=10, 73 rounds at the small scale; outer
 averaging, lr 1, momentum 0, the regime's tuned step) without overlap,
-with eager updates (the island's share, an own weight of 0.5, and of 1
-at its own outer step, lr 0.5, momentum 0.7), with
+with eager updates (an own weight of 1 at its own outer step, lr 0.5,
+momentum 0.7; of 0.5; and the paper's, the island's share), with
 the rebasing one-step delay, and as Streaming DiLoCo (2 fragments, tau 5,
 alpha 0.5). The eager-updates paper: eager costs ~1% loss at 500M-1B
 with H=30 over many rounds, where the naive delay costs 13%.
@@ -18,8 +18,7 @@ from diloco_jax.config import overlap_defaults
 from experiments import plots
 from experiments import study_lib
 
-_OWN_WEIGHT_LR, _OWN_WEIGHT_MOMENTUM = (
-    overlap_defaults.EAGER_OWN_WEIGHT_DEFAULTS)
+_EAGER_LR, _EAGER_MOMENTUM = overlap_defaults.NESTEROV_DEFAULTS["eager"]
 
 STUDY = study_lib.Study(
     name="scaling_overlaps",
@@ -28,16 +27,16 @@ STUDY = study_lib.Study(
            "naive delay 13%); Streaming DiLoCo's overlap costs little."),
     points=(
         study_lib.Point("none", {}),
-        study_lib.Point("eager", {"diloco.overlap": "eager"}),
+        # Eager wants a smaller lr and more momentum than averaging: its
+        # default step, set here since the regime's base config sets
+        # averaging.
+        study_lib.Point("eager", {
+            "diloco.overlap": "eager",
+            "diloco.outer_optimizer.learning_rate": _EAGER_LR,
+            "diloco.outer_optimizer.momentum": _EAGER_MOMENTUM}),
         study_lib.Point("eager_own0.5", {"diloco.overlap": "eager",
                                          "diloco.eager_own_weight": 0.5}),
-        # A weight of 1 wants a smaller lr and more momentum than averaging:
-        # its default step, set here since the regime's base config sets
-        # averaging.
-        study_lib.Point("eager_own1", {
-            "diloco.overlap": "eager", "diloco.eager_own_weight": 1.0,
-            "diloco.outer_optimizer.learning_rate": _OWN_WEIGHT_LR,
-            "diloco.outer_optimizer.momentum": _OWN_WEIGHT_MOMENTUM}),
+        study_lib.Point("eager_share", {"diloco.overlap": "eager_share"}),
         study_lib.Point("rebase", {"diloco.overlap": "one_step_delay_rebase"}),
         study_lib.Point("streaming", {"diloco.fragments": 2,
                                       "diloco.fragment_delay": 5,

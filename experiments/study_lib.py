@@ -137,6 +137,19 @@ FAILURE_FILE = "study_failure.json"  # in a run's workdir: not retried
 LATER_FIELDS = ("diloco.eager_own_weight",)
 
 
+def _renamed_overlaps(config) -> None:
+  """Writes an eager config in `config` (unlocked) as runs were cached
+  before 'eager' took an own weight of 1 by default: the paper's share rule
+  was overlap='eager' with no weight (now 'eager_share'), and a weight of
+  1 was set explicitly. So each rule keeps its runs' hashes, and no cached
+  run of one rule is read back for the other."""
+  diloco = config.diloco
+  if diloco.overlap == "eager_share":
+    diloco.overlap, diloco.eager_own_weight = "eager", None
+  elif diloco.overlap == "eager" and diloco.eager_own_weight is None:
+    diloco.eager_own_weight = 1.0
+
+
 def run_workdir(runs_dir: str, config) -> str:
   """RUNS/runs/HASH: one directory per distinct config (seed included).
 
@@ -145,6 +158,7 @@ def run_workdir(runs_dir: str, config) -> str:
   """
   hashed = config.copy_and_resolve_references()
   with hashed.unlocked():
+    _renamed_overlaps(hashed)
     for name in LATER_FIELDS:
       *sections, field = name.split(".")
       fields = hashed

@@ -361,6 +361,9 @@ def test_resume_with_an_update_in_flight_is_exact(tmp_path):
      "config.diloco.overlap='one_step_delay' has none"),
     ({"diloco.overlap": "eager", "diloco.eager_own_weight": 1.5},
      r"eager_own_weight=1.5 must be in \(0, 1\]"),
+    # The share rule has no weight of its own to set.
+    ({"diloco.overlap": "eager_share", "diloco.eager_own_weight": 1.0},
+     "config.diloco.overlap='eager_share' has none"),
 ])
 def test_bad_overlap_settings_are_one_error(overrides, message):
   with pytest.raises(validation.ConfigError, match=message):
@@ -382,13 +385,20 @@ def test_unset_outer_settings_take_the_overlap_s_defaults(overlap):
   assert config.diloco.outer_optimizer.learning_rate is None
 
 
-def test_eager_with_an_own_weight_takes_its_own_defaults():
+def test_eager_takes_its_step_whatever_its_own_weight():
   config = _config(**{"diloco.overlap": "eager",
-                      "diloco.eager_own_weight": 1.0})
+                      "diloco.eager_own_weight": 0.5})
   outer = validation.validate_config(config, num_devices=8).config.diloco \
       .outer_optimizer
   assert (outer.learning_rate, outer.momentum) == (
-      overlap_defaults.EAGER_OWN_WEIGHT_DEFAULTS)
+      overlap_defaults.NESTEROV_DEFAULTS["eager"])
+
+
+def test_eager_s_own_weight_is_one_unless_set_and_the_share_has_none():
+  assert overlap_lib.own_weight("eager", None) == 1.0
+  assert overlap_lib.own_weight("eager", 0.5) == 0.5
+  assert overlap_lib.own_weight("eager_share", None) is None
+  assert overlap_lib.own_weight("one_step_delay", None) is None
 
 
 def test_outer_settings_a_config_sets_are_kept():

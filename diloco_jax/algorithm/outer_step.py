@@ -324,8 +324,9 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   round later: 'one_step_delay' restarts every island from x_r,
   'one_step_delay_rebase' from x_r plus its own progress since its anchor
   (overlap.rebase; an island left out of the mean from x_r alone), and
-  'eager' steps each island's own point at once (`eager_islands`, its own
-  part weighted by `eager_own_weight`, or its share of the mean if None);
+  'eager' and 'eager_share' step each island's own point at once
+  (`eager_islands`; its own part weighted by `eager_own_weight`, 1 if None,
+  or under 'eager_share' its share of the mean);
   a diverged island then starts from its own point with a fresh inner
   state, and x, the islands' average point (state.eager_consensus), is
   formed only to evaluate and at the end. Round 0 applies nothing;
@@ -338,6 +339,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   delayed = overlap_lib.is_delayed(overlap)
   anchored = overlap_lib.anchored(overlap)
   eager = overlap_lib.is_eager(overlap)
+  own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
   stages = mesh.shape[STAGE]
   sync = make_island_sync(mesh, compression, rounding_seed, fsdp,
                           reference_per_island=anchored)
@@ -353,8 +355,9 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                                       stages)
     if eager:
       state = eager_islands(outer_opt, state, landed, landed_valid, weights,
-                            finite & (weights > 0), stages, eager_own_weight)
-    restart = state_lib.restart_islands(finite, weights, restart_dropped, reset_inner)
+                            finite & (weights > 0), stages, own_weight)
+    restart = state_lib.restart_islands(finite, weights, restart_dropped,
+                                        reset_inner)
     state = next_round(state, state.global_params, restart, included,
                        inner_opt, stages)
     # The state keeps its declared layout, so the compiled steps take it.

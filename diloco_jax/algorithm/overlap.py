@@ -13,26 +13,32 @@ config.diloco.overlap:
                             own progress of round r (whose mean is still in
                             flight), measured from its anchor a_i, the point
                             it started the round from (`rebase`).
-  'eager'                   (eager updates, Kale et al. 2025) the same
-                            timing for the islands' mean, but each island m
-                            steps its own copy of the outer point x_m with
-                            its own outer optimizer state at once, on its
-                            fresh pseudo-gradient in place of its share of
-                            the mean still in flight:
+  'eager'                   (eager updates, after Kale et al. 2025) the
+                            same timing for the islands' mean, but each
+                            island m steps its own copy of the outer point
+                            x_m with its own outer optimizer state at once,
+                            on its fresh pseudo-gradient in place of its
+                            part of the mean still in flight:
                               D~_m(r) = D(r-1) - u_m(r-1) + u_m(r),
-                              u_m(r) = w_m d_m(r) / sum_j w_j,
-                              x_m(r) = OuterOpt_m(x_m(r-1), D~_m(r)),
-                            and starts round r + 1 from x_m(r); d_m(r) is
-                            taken against x_m(r-1) (its anchor). When D(r)
-                            lands, it replaces the island's u_m(r) in the
-                            next D~; nothing is recomputed. With
-                            config.diloco.eager_own_weight = c the island
-                            applies u_m(r) = c d_m(r) instead (c = 1: all of
-                            its round at once, as the rebasing delay does).
-                            x, the model the run is judged by, is the
-                            islands' average point, formed to evaluate and
-                            at the end (after the rest of the last mean,
-                            D(R) - u_m(R), is applied the same way).
+                              u_m(r) = c d_m(r),
+                            x_m(r) = OuterOpt_m(x_m(r-1), D~_m(r)), and
+                            starts round r + 1 from x_m(r); d_m(r) is taken
+                            against x_m(r-1) (its anchor). When D(r) lands,
+                            it replaces the island's u_m(r) in the next D~;
+                            nothing is recomputed. c is
+                            config.diloco.eager_own_weight, 1 unless set:
+                            the island applies its whole round at once, so
+                            the islands' average point steps as DiLoCo's x
+                            does without overlap.
+  'eager_share'             the paper's rule: the same, with u_m(r) the
+                            island's share of the mean, w_m d_m(r) / sum_j
+                            w_j, so the others' part of the round is a round
+                            late.
+                            With either, x, the model the run is judged by,
+                            is the islands' average point, formed to
+                            evaluate and at the end (after the rest of the
+                            last mean, D(R) - u_m(R), is applied the same
+                            way).
 
 The outer steps that follow these rules are outer_step.py's.
 """
@@ -40,11 +46,16 @@ The outer steps that follow these rules are outer_step.py's.
 import jax
 import jax.numpy as jnp
 
-OVERLAPS = ("none", "one_step_delay", "one_step_delay_rebase", "eager")
+OVERLAPS = ("none", "one_step_delay", "one_step_delay_rebase", "eager",
+            "eager_share")
 DELAYED_OVERLAPS = OVERLAPS[1:]
+EAGER_OVERLAPS = ("eager", "eager_share")
 # The modes whose islands take their pseudo-gradients against a point of
 # their own (an anchor per island) rather than the shared x.
-ANCHORED_OVERLAPS = ("one_step_delay_rebase", "eager")
+ANCHORED_OVERLAPS = ("one_step_delay_rebase",) + EAGER_OVERLAPS
+# The weight an island gives its own fresh pseudo-gradient under 'eager'
+# when config.diloco.eager_own_weight is unset.
+DEFAULT_OWN_WEIGHT = 1.0
 
 
 def is_delayed(overlap: str) -> bool:
@@ -56,7 +67,17 @@ def is_delayed(overlap: str) -> bool:
 
 def is_eager(overlap: str) -> bool:
   """Whether `overlap` steps each island's own outer point at once."""
-  return is_delayed(overlap) and overlap == "eager"
+  return is_delayed(overlap) and overlap in EAGER_OVERLAPS
+
+
+def own_weight(overlap: str, eager_own_weight: float | None) -> float | None:
+  """The weight eager islands give their own fresh pseudo-gradient: None
+  under 'eager_share' (each island's share of the mean), else
+  `eager_own_weight` (config.diloco.eager_own_weight), DEFAULT_OWN_WEIGHT
+  if unset; None for a mode that is not eager."""
+  if not is_eager(overlap) or overlap == "eager_share":
+    return None
+  return DEFAULT_OWN_WEIGHT if eager_own_weight is None else eager_own_weight
 
 
 def anchored(overlap: str) -> bool:

@@ -10,6 +10,7 @@ import functools
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.parallel import communication
 
@@ -37,8 +38,8 @@ class LinkBytes:
     self._fragments = config.diloco.fragments
     # Eager updates end by averaging the islands' outer points: one float32
     # all-reduce of the params, as DDP's step sends.
-    self._eager = (config.mode == "diloco"
-                   and config.diloco.get("overlap") == "eager")
+    self._eager = (config.mode == "diloco" and overlap_lib.is_eager(
+        config.diloco.get("overlap", "none")))
     self._stripes = config.mesh.data if config.mesh.fsdp else 1
     self._stages = 1 if layout is None else layout.stages
     # What one stage reduces (the whole params for one stage).

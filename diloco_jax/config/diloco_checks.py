@@ -114,7 +114,7 @@ def _check_overlap_and_placement(config, problems: Problems) -> None:
         diloco.overlap == "eager", "diloco.eager_own_weight",
         f"config.diloco.eager_own_weight={own_weight} weighs eager updates' "
         f"own pseudo-gradient; config.diloco.overlap={diloco.overlap!r} has "
-        "none (set overlap='eager' or leave it unset)")
+        "none (set overlap='eager' or leave the weight unset)")
     problems.require(
         0 < own_weight <= 1, "diloco.eager_own_weight",
         f"config.diloco.eager_own_weight={own_weight} must be in (0, 1]")

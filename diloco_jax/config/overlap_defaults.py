@@ -7,7 +7,7 @@ falls for two rounds, then oscillates and climbs. A linear model of a round
 iteration's spectral radius above 1 there and below 1 without the delay.
 So each overlap mode has its own (learning rate, momentum) for outer
 Nesterov, measured by experiments/overlap_sweep.py (configs/study.py,
-3 seeds; eager with an own weight by experiments/eager_own_weight.py), used
+3 seeds; eager's by experiments/eager_own_weight.py), used
 when a config leaves config.diloco.outer_optimizer.
 learning_rate or momentum unset (None). Values a config or flag sets are
 kept as they are.
@@ -20,25 +20,20 @@ NESTEROV_DEFAULTS = {
     "none": (0.7, 0.9),
     "one_step_delay": (0.8, 0.0),
     "one_step_delay_rebase": (0.7, 0.5),
-    "eager": (1.0, 0.0),
+    # An island's whole round applied at once wants a smaller lr and more
+    # momentum than the share's averaging (experiments/eager_own_weight.py:
+    # the best steps at weights 0.9 and 1 form a plateau around this one).
+    "eager": (0.5, 0.7),
+    "eager_share": (1.0, 0.0),
 }
-# Eager updates with config.diloco.eager_own_weight set: more of a round
-# applied at once wants a smaller lr and more momentum than the share's
-# averaging (experiments/eager_own_weight.py: the best step at weight 1,
-# within a point of the best at 0.75).
-EAGER_OWN_WEIGHT_DEFAULTS = (0.5, 0.7)
 # Other outer optimizers ('sgd', 'momentum', 'adam') are not overlap-tuned.
 OTHER_DEFAULTS = NESTEROV_DEFAULTS["none"]
 
 
-def outer_defaults(optimizer: str, overlap: str,
-                   eager_own_weight: float | None = None
-                   ) -> tuple[float, float]:
+def outer_defaults(optimizer: str, overlap: str) -> tuple[float, float]:
   """(learning rate, momentum) an unset outer optimizer field takes."""
   if optimizer != "nesterov":
     return OTHER_DEFAULTS
-  if overlap == "eager" and eager_own_weight is not None:
-    return EAGER_OWN_WEIGHT_DEFAULTS
   return NESTEROV_DEFAULTS.get(overlap, NESTEROV_DEFAULTS["none"])
 
 
@@ -55,9 +50,8 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # Its step is x - alpha * mean: its momentum is the error feedback.
     learning_rate, momentum = resolved.diloco.sparseloco.alpha, 0.0
   else:
-    learning_rate, momentum = outer_defaults(
-        outer.name, resolved.diloco.overlap,
-        resolved.diloco.get("eager_own_weight"))
+    learning_rate, momentum = outer_defaults(outer.name,
+                                             resolved.diloco.overlap)
   if outer.learning_rate is None:
     outer.learning_rate = learning_rate
   if outer.momentum is None:

@@ -99,15 +99,15 @@ def _diloco() -> Section:
       # island starts round r + 1 from x_r plus its own progress of round r
       # (whose mean is in flight), rebased again when the mean lands;
       # 'eager' (eager updates): the same timing, but each island steps its
-      # own outer point at once on its fresh pseudo-gradient in place of
-      # its share of the mean in flight (algorithm/overlap.py). Each mode
-      # has its own outer-optimizer defaults (config/overlap_defaults.py).
+      # own outer point at once on its whole fresh pseudo-gradient, which
+      # the mean replaces when it lands; 'eager_share': the paper's rule,
+      # on its share of the mean only, the others' part a round late
+      # (algorithm/overlap.py). Each mode has its own outer-optimizer
+      # defaults (config/overlap_defaults.py).
       "overlap": "none",
-      # 'eager' only: the weight an island gives its own fresh
-      # pseudo-gradient while the mean is in flight. Unset (None): its share
-      # of the mean, w_m / sum_j w_j (the paper's); c in (0, 1]: c d_m
-      # (1 applies its whole round at once, as the rebasing delay does;
-      # set, the unset outer lr and momentum default to 0.5 and 0.7).
+      # 'eager' only: the weight c an island gives its own fresh
+      # pseudo-gradient d_m while the mean is in flight, in (0, 1]; unset:
+      # 1, its whole round at once.
       "eager_own_weight": config_dict.placeholder(float),
       # Where x, the outer optimizer state and the cross-island collective
       # live (run/host_outer.py): 'device' with the islands; 'host' on one

@@ -72,6 +72,7 @@ class RoundOuter(OuterSide):
     self._delayed = overlap_lib.is_delayed(overlap)
     self._anchored = overlap_lib.anchored(overlap)
     self._eager = overlap_lib.is_eager(overlap)
+    own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
     self._restart_dropped = restart_dropped
     self._reset_inner = reset_inner
     constrain = lambda outer: placement.constrain(
@@ -99,7 +100,7 @@ class RoundOuter(OuterSide):
       landed, then the next round (x is not formed in a round)."""
       state = outer_step_lib.eager_islands(outer_opt, state, landed,
                                            landed_valid, weights, keep,
-                                           own_weight=eager_own_weight)
+                                           own_weight=own_weight)
       return reset(state, state.global_params, restart, keep, True)
 
     def settle(state, landed, landed_valid, outer_state):

@@ -87,7 +87,7 @@ def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
   evaluate = evaluation_lib.make_evaluate(loss_fn, config.mode).lower(
       state, eval_batch).compile()
   consensus = None
-  if config.mode == "diloco" and config.diloco.overlap == "eager":
+  if config.mode == "diloco" and overlap_lib.is_eager(config.diloco.overlap):
     consensus = evaluation_lib.make_consensus(jax.tree.map(
         lambda a: a.sharding, state.global_params)).lower(state).compile()
   return Programs(
