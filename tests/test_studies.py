@@ -122,6 +122,20 @@ def test_identical_points_of_two_studies_share_one_run(tmp_path):
   assert study_lib.run_workdir("r", reseeded) != study_lib.run_workdir("r", one)
 
 
+def test_eager_runs_are_found_by_the_rule_they_ran():
+  """'eager' unset and with an own weight of 1 are one run; the share
+  ('eager_share', cached as 'eager' before the rename) is another."""
+  def workdir(overrides):
+    return study_lib.run_workdir("r", study_lib.point_config(
+        overlaps.STUDY, study_lib.Point("p", overrides), 0, quick=True))
+  eager = workdir({"diloco.overlap": "eager"})
+  assert eager == workdir({"diloco.overlap": "eager",
+                           "diloco.eager_own_weight": 1.0})
+  assert eager != workdir({"diloco.overlap": "eager_share"})
+  assert eager != workdir({"diloco.overlap": "eager",
+                           "diloco.eager_own_weight": 0.5})
+
+
 def test_paired_perplexity_change_and_spread():
   study = study_lib.Study("s", "t", "c", (), "ref", plots.bar_plot)
   run = lambda seed, loss: {"seed": seed, "status": "done",
