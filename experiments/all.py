@@ -1,7 +1,7 @@
 r"""Every study, one after another: the results page's tables and plots
 from one command.
 
-  python -m experiments.all --out=docs/results              # 3 seeds
+  python -m experiments.all --out=docs/results    # each study's seeds (most 3)
   python -m experiments.all --out=docs/results --scale=large
 
 Runs already in --runs are read back, not run again, so with the runs of
@@ -16,6 +16,7 @@ from absl import flags
 
 from experiments import codecs
 from experiments import eager_own_weight
+from experiments import eager_seeds
 from experiments import h_sweep
 from experiments import iid_vs_noniid
 from experiments import k_sweep
@@ -36,7 +37,8 @@ from experiments import table2
 MODULES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
            sign_pruning, codecs, outer_vs_island_mean, overlaps,
            overlap_sweep, scaling_table2, scaling_outer, scaling_k_sweep,
-           sparseloco, muloco, scaling_overlaps, eager_own_weight)
+           sparseloco, muloco, scaling_overlaps, eager_own_weight,
+           eager_seeds)
 STUDIES = {module.STUDY.name: module.STUDY for module in MODULES}
 
 _STUDIES = flags.DEFINE_list(

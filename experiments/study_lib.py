@@ -67,6 +67,8 @@ class Study:
     base: the module under configs/ the points override: 'study'
       (configs/study.py) or 'scaling' (configs/scaling.py, whose scale
       the --scale flag picks; its results are named STUDY_SCALE).
+    seeds: how many seeds (0, 1, ...) a full run takes unless --seeds
+      says otherwise.
   """
   name: str
   title: str
@@ -79,6 +81,7 @@ class Study:
   report: Callable | None = None
   base: str = "study"
   scale: str = ""
+  seeds: int = 3
 
 
 def at_scale(study: Study, scale: str) -> Study:
@@ -259,7 +262,9 @@ _RUNS = flags.DEFINE_string("runs", "runs/studies",
                             "Where each run's workdir goes.")
 _OUT = flags.DEFINE_string(
     "out", None, "Where STUDY.json/.md/.png go (default: RUNS/STUDY).")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per point (0, 1, ...).")
+_SEEDS = flags.DEFINE_integer(
+    "seeds", None, "Seeds per point (0, 1, ...); default: the study's own "
+    "(3 for most).")
 _QUICK = flags.DEFINE_bool(
     "quick", False, "A minute-long version (tiny model, few steps, "
     f"{QUICK_SEEDS} seeds) that checks the study runs end to end.")
@@ -293,11 +298,12 @@ def main_many(choose: Callable[[str], list[Study]]):
                       os.path.join(runs_dir, ".jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     logging.set_verbosity(logging.WARNING)  # one line per run instead
-    seeds = list(range(QUICK_SEEDS if _QUICK.value else _SEEDS.value))
     from diloco_jax.run import stops  # pylint: disable=g-import-not-at-top
     for study in choose(_SCALE.value):
       scaled = at_scale(study, _SCALE.value)
       out_dir = _OUT.value or os.path.join(runs_dir, scaled.name)
+      seeds = list(range(QUICK_SEEDS if _QUICK.value
+                         else _SEEDS.value or study.seeds))
       try:
         run_study(scaled, runs_dir, seeds, _QUICK.value, out_dir)
       except stops.StopRequested as e:
