@@ -209,6 +209,10 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
     overlap = "eager" if mode == "eager_host" else "one_step_delay"
     f += [f"--config.diloco.overlap={overlap}",
           "--config.diloco.outer_placement=host"]
+    if mode == "eager_host":
+      # The steady overlap from the first round: warm-up rounds wait as
+      # plain DiLoCo's do, and the round time is measured over the middle.
+      f.append("--config.diloco.overlap_warmup_rounds=0")
   elif mode in ("streaming", "streaming_host"):
     f += [f"--config.diloco.fragments={_FRAGMENTS.value}",
           f"--config.diloco.fragment_delay={_DELAY.value}"]

@@ -16,7 +16,7 @@ from absl import flags
 
 from experiments import codecs
 from experiments import eager_own_weight
-from experiments import eager_seeds
+from experiments import eager_warmup
 from experiments import h_sweep
 from experiments import iid_vs_noniid
 from experiments import k_sweep
@@ -38,7 +38,7 @@ MODULES = (table2, h_sweep, k_sweep, iid_vs_noniid, outer_optimizers,
            sign_pruning, codecs, outer_vs_island_mean, overlaps,
            overlap_sweep, scaling_table2, scaling_outer, scaling_k_sweep,
            sparseloco, muloco, scaling_overlaps, eager_own_weight,
-           eager_seeds)
+           eager_warmup)
 STUDIES = {module.STUDY.name: module.STUDY for module in MODULES}
 
 _STUDIES = flags.DEFINE_list(

@@ -56,6 +56,8 @@ STUDY = study_lib.Study(
     plot=plots.sweep_plot("own weight (0.25: the island's share, 4 islands)",
                          versus_reference=True),
     quick_points=("none_lr0.7_m0.9", "eager_own0.5_lr0.7_m0.5"),
+    # The rule from the first round: the warm-up is eager_warmup's study.
+    base_overrides={"diloco.overlap_warmup_rounds": 0},
 )
 
 if __name__ == "__main__":

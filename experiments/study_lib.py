@@ -137,16 +137,21 @@ FAILURE_FILE = "study_failure.json"  # in a run's workdir: not retried
 # Config fields added after runs were cached: left unset (None) they stay
 # out of a run's hash, so the runs of a config that does not use them are
 # still found.
-LATER_FIELDS = ("diloco.eager_own_weight",)
+LATER_FIELDS = ("diloco.eager_own_weight", "diloco.overlap_warmup_rounds")
 
 
 def _renamed_overlaps(config) -> None:
   """Writes an eager config in `config` (unlocked) as runs were cached
-  before 'eager' took an own weight of 1 by default: the paper's share rule
-  was overlap='eager' with no weight (now 'eager_share'), and a weight of
-  1 was set explicitly. So each rule keeps its runs' hashes, and no cached
-  run of one rule is read back for the other."""
+  before 'eager' took an own weight of 1 and 2 warm-up rounds by default:
+  the paper's share rule was overlap='eager' with no weight (now
+  'eager_share'), a weight of 1 was set explicitly, and every run started
+  eager updates at once (no warm-up field). So each rule keeps its runs'
+  hashes, and no cached run of one rule is read back for the other."""
+  from diloco_jax.config import overlap_defaults  # pylint: disable=g-import-not-at-top
   diloco = config.diloco
+  if "overlap_warmup_rounds" in diloco:
+    diloco.overlap_warmup_rounds = (
+        overlap_defaults.warmup_rounds(diloco) or None)
   if diloco.overlap == "eager_share":
     diloco.overlap, diloco.eager_own_weight = "eager", None
   elif diloco.overlap == "eager" and diloco.eager_own_weight is None:

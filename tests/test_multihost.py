@@ -417,8 +417,10 @@ def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
      "--config.model.num_heads=4", "--config.model.head_dim=16",
      "--config.model.mlp_dim=256", "--config.diloco.codec=int8"),
     # Eager updates: the landed mean comes back to each process's islands,
-    # which step their own outer points with error feedback in the codec.
+    # which step their own outer points with error feedback in the codec
+    # (after a round of warm-up, which waits for its own mean).
     ("--config.diloco.overlap=eager", "--config.total_steps=6",
+     "--config.diloco.overlap_warmup_rounds=1",
      "--config.diloco.codec=int8", "--config.diloco.error_feedback=True"),
     ("--config.model.num_layers=2", "--config.diloco.fragments=2",
      "--config.diloco.fragment_delay=1", "--config.total_steps=6",

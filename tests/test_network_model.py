@@ -1,6 +1,7 @@
 """The analytic network model: its identities, its bytes, its refusals."""
 
 import collections
+import dataclasses
 import json
 import math
 import random
@@ -449,6 +450,33 @@ def test_the_syncs_after_the_last_step_are_waited_for_in_full(bandwidth):
   workload, _ = workloads.from_config(config, step, bandwidth, params=_tree())
   assert estimate["network_wall_s"] == pytest.approx(
       20 * nm.round_time(workload, link) + nm.end_of_run_s(workload, link))
+
+
+def test_eager_warmup_rounds_wait_as_rounds_without_overlap():
+  """Eager updates' warm-up rounds (2 unless set) take a round without
+  overlap; the rest a steady overlapped round; the end its last wait."""
+  link = nm.Link(0.01 * GBIT, 0.0)
+  config = config_schema.base_config()
+  config.total_steps, config.diloco.inner_steps = 200, 10
+  config.diloco.overlap = "eager"
+  config.diloco.outer_placement = "host"
+  workload, _ = workloads.from_config(config, 0.5, link.bandwidth_bits_per_s,
+                                      params=_tree())
+  waiting = nm.round_time(dataclasses.replace(workload, overlap="none"),
+                          link)
+  steady = nm.round_time(workload, link)
+  assert waiting > steady
+  for warmup, expected in ((None, 2), (0, 0), (5, 5)):
+    config.diloco.overlap_warmup_rounds = warmup
+    estimate = workloads.run_estimate(config, 0.5,
+                                      link.bandwidth_bits_per_s,
+                                      params=_tree())
+    rounds_s = (expected * waiting + (20 - expected) * steady
+                + nm.end_of_run_s(workload, link))
+    assert estimate["network_wall_s"] == pytest.approx(rounds_s)
+    assert estimate["network_run_utilization"] == pytest.approx(
+        200 * 0.5 / rounds_s)
+    assert estimate["network_utilization"] == nm.utilization(workload, link)
 
 
 def test_pipelined_islands_send_each_stage_s_share():

@@ -25,18 +25,20 @@ from tests import test_multihost
 from tests import test_streaming
 
 
-@pytest.mark.parametrize("overlap,codec,error_feedback", [
-    ("none", "fp32", False), ("none", "int8", True),
-    ("one_step_delay", "fp32", False), ("one_step_delay", "int8", True),
+@pytest.mark.parametrize("overlap,codec,error_feedback,warmup", [
+    ("none", "fp32", False, 0), ("none", "int8", True, 0),
+    ("one_step_delay", "fp32", False, 0), ("one_step_delay", "int8", True, 0),
     # SparseLoCo's payloads are all-gathered on the outer device.
-    ("none", "sparseloco", True),
+    ("none", "sparseloco", True, 0),
     # The anchors cross to the outer device; the islands rebase at home.
-    ("one_step_delay_rebase", "int8", True),
+    ("one_step_delay_rebase", "int8", True, 0),
     # The landed mean comes back; the islands step their own points (here
     # with an own weight: the share is the same code's other branch).
-    ("eager", "int8", True)])
+    ("eager", "int8", True, 0),
+    # The first 2 of the 3 rounds wait for their own mean to come back.
+    ("eager", "fp32", False, 2)])
 def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
-                                                      error_feedback):
+                                                      error_feedback, warmup):
   own_weight = 0.75 if overlap == "eager" else None
   islands = 4
   compute, outer_devices = outer_devices_lib.split_devices(jax.devices())
@@ -53,10 +55,11 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
   on_device = jax.device_put(host_state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
                                          inner_opt=inner_opt, overlap=overlap,
-                                         eager_own_weight=own_weight)
+                                         eager_own_weight=own_weight,
+                                         warmup_rounds=warmup)
   host = host_outer.build(outer_devices, islands, mesh, outer_opt,
                           compression, inner_opt, overlap=overlap,
-                          eager_own_weight=own_weight)
+                          eager_own_weight=own_weight, warmup_rounds=warmup)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
     host.compile_in_background(placement.with_shardings(

@@ -394,6 +394,21 @@ def test_eager_takes_its_step_whatever_its_own_weight():
       overlap_defaults.NESTEROV_DEFAULTS["eager"])
 
 
+def test_eager_waits_two_rounds_unless_set_and_the_share_none():
+  warmup = lambda overlap, **set_: overlap_defaults.warmup_rounds(_config(**{
+      "diloco.overlap": overlap, **set_}).diloco)
+  assert warmup("eager") == overlap_defaults.WARMUP_ROUNDS_DEFAULTS["eager"]
+  assert warmup("eager", **{"diloco.overlap_warmup_rounds": 0}) == 0
+  assert warmup("eager_share") == 0
+  assert warmup("eager_share", **{"diloco.overlap_warmup_rounds": 3}) == 3
+  assert warmup("one_step_delay") == 0
+  # A config written before the field (a saved config.json) ran without.
+  old = _config(**{"diloco.overlap": "eager"}).diloco
+  with old.unlocked():
+    del old["overlap_warmup_rounds"]
+  assert overlap_defaults.warmup_rounds(old) == 0
+
+
 def test_eager_s_own_weight_is_one_unless_set_and_the_share_has_none():
   assert overlap_lib.own_weight("eager", None) == 1.0
   assert overlap_lib.own_weight("eager", 0.5) == 0.5

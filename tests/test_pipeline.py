@@ -200,9 +200,9 @@ _RUNS = {
     "diloco": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
                "diloco.overlap": "one_step_delay_rebase"},
     # Eager updates: each stage steps its islands' own outer points with
-    # their own outer states, per stage.
+    # their own outer states, per stage (after a round of warm-up).
     "eager": {"testing.nan_island": "1@2", "diloco.drop_probability": 0.25,
-              "diloco.overlap": "eager"},
+              "diloco.overlap": "eager", "diloco.overlap_warmup_rounds": 1},
     "ddp": {"mode": "ddp"},
     # From a pretrained worker: the warm start reads a logical checkpoint
     # into the stages.

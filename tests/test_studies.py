@@ -127,13 +127,29 @@ def test_eager_runs_are_found_by_the_rule_they_ran():
   ('eager_share', cached as 'eager' before the rename) is another."""
   def workdir(overrides):
     return study_lib.run_workdir("r", study_lib.point_config(
-        overlaps.STUDY, study_lib.Point("p", overrides), 0, quick=True))
+        table2.STUDY, study_lib.Point("p", overrides), 0, quick=True))
   eager = workdir({"diloco.overlap": "eager"})
   assert eager == workdir({"diloco.overlap": "eager",
                            "diloco.eager_own_weight": 1.0})
   assert eager != workdir({"diloco.overlap": "eager_share"})
   assert eager != workdir({"diloco.overlap": "eager",
                            "diloco.eager_own_weight": 0.5})
+  # Eager's warm-up (2 rounds unless set) is another run than the rule
+  # from its first round, which is found as runs cached before the field.
+  assert eager == workdir({"diloco.overlap": "eager",
+                           "diloco.overlap_warmup_rounds": 2})
+  at_once = workdir({"diloco.overlap": "eager",
+                     "diloco.overlap_warmup_rounds": 0})
+  assert eager != at_once
+  before = study_lib.point_config(
+      table2.STUDY, study_lib.Point("p", {"diloco.overlap": "eager",
+                                            "diloco.eager_own_weight": 1.0}),
+      0, quick=True)
+  with before.unlocked():
+    del before.diloco["overlap_warmup_rounds"]
+  assert at_once == study_lib.run_workdir("r", before)
+  assert workdir({"diloco.overlap": "eager_share"}) == workdir(
+      {"diloco.overlap": "eager_share", "diloco.overlap_warmup_rounds": 0})
 
 
 def test_paired_perplexity_change_and_spread():

@@ -191,7 +191,8 @@ def apply_in_flight(outer_opt: optax.GradientTransformation,
 def eager_islands(outer_opt: optax.GradientTransformation,
                   state: TrainState, landed, landed_valid, weights,
                   sends: jax.Array, stages: int = 1,
-                  own_weight: float | None = None) -> TrainState:
+                  own_weight: float | None = None,
+                  waited=None) -> TrainState:
   """Eager updates: every island's own outer step (traceable).
 
   Island m steps its x_m (its anchor, where its round started) with its
@@ -204,6 +205,10 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   D~_m is exactly zero (no mean landed and no share of its own) keeps its
   x_m and outer state: momentum alone would move it.
 
+  `waited` = (blocking, D(r), valid): in a warm-up round (`blocking`, a
+  traced bool) every island steps on its round's own mean D(r) instead
+  (overlap.block_on_mean).
+
   Returns `state` with x_m(r) as the anchors (where next_round starts
   the islands), the islands' outer states and u_m(r).
   """
@@ -213,6 +218,8 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   shares = overlap_lib.own_shares(pseudo_grads, weights, sends, own_weight)
   updates = overlap_lib.eager_updates(landed, landed_valid, state.own_shares,
                                       shares)
+  if waited is not None:
+    updates, shares = overlap_lib.block_on_mean(*waited, updates, shares)
   anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
                                               stages)
   return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
@@ -292,7 +299,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
                     inner_opt: optax.GradientTransformation | None = None,
                     restart_dropped: bool = False, overlap: str = "none",
                     reset_inner: bool = False,
-                    eager_own_weight: float | None = None):
+                    eager_own_weight: float | None = None,
+                    warmup_rounds: int = 0):
   """Builds the jitted outer step: one program holding the collective.
 
   `compression` (a compression.Compression, a dense codec, or None for
@@ -303,9 +311,8 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   stochastically, with noise derived from (seed, round, island) so a
   resumed run draws the same noise.
 
-  With `fsdp` (params split over each island's 'data' devices) each
-  device reduces its own shards across islands: the whole model is never
-  gathered on one device (dense codecs only).
+  With `fsdp` (params split over each island's 'data' devices) each device
+  reduces its own shards across islands (dense codecs only).
 
   An island with weight 0 (not synced this round) or a non-finite
   pseudo-gradient (it diverged) is left out of the mean: masked before any
@@ -316,8 +323,7 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   learning rate schedule goes on; with `restart_dropped` so does an island
   with weight 0 (config.diloco.dropped_islands='idle': it rejoins fresh),
   and with `reset_inner` every island (config.diloco.inner_state='reset').
-  If no island takes part, x, the outer optimizer state and the codec
-  state do not change.
+  If no island takes part, x, the outer state and the codec state stay.
 
   `overlap` picks the rule algorithm/overlap.py states. The delayed modes
   leave round r's mean D(r) in flight (state.in_flight) and apply it a
@@ -326,11 +332,11 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
   (overlap.rebase; an island left out of the mean from x_r alone), and
   'eager' and 'eager_share' step each island's own point at once
   (`eager_islands`; its own part weighted by `eager_own_weight`, 1 if None,
-  or under 'eager_share' its share of the mean);
-  a diverged island then starts from its own point with a fresh inner
-  state, and x, the islands' average point (state.eager_consensus), is
-  formed only to evaluate and at the end. Round 0 applies nothing;
-  make_flush applies the last mean at the end of the run.
+  or its share of the mean; the first `warmup_rounds` rounds wait for
+  their own mean); a diverged island then starts from its own point with
+  a fresh inner state, and x, the islands' average point
+  (state.eager_consensus), is formed only to evaluate and at the end.
+  Round 0 applies nothing; make_flush applies the last mean at the end.
 
   Returns:
     outer(state, weights) -> state, where `weights` [islands] are the islands'
@@ -348,14 +354,17 @@ def make_outer_step(outer_opt: optax.GradientTransformation, mesh,
     # s_r (or the anchors), before a delayed mean moves x to x_r.
     reference = state.anchors if anchored else state.global_params
     landed, landed_valid = state.in_flight, state.in_flight_valid
+    warming_up = state.round < warmup_rounds  # before receive counts it
     if delayed and not eager:
       state = apply_in_flight(outer_opt, state, stages)
     state, included, finite = receive(outer_opt, sync, delayed, state,
                                       state.island_params, weights, reference,
                                       stages)
     if eager:
+      waited = ((warming_up, state.in_flight, state.in_flight_valid)
+                if warmup_rounds else None)
       state = eager_islands(outer_opt, state, landed, landed_valid, weights,
-                            finite & (weights > 0), stages, own_weight)
+                            finite & (weights > 0), stages, own_weight, waited)
     restart = state_lib.restart_islands(finite, weights, restart_dropped,
                                         reset_inner)
     state = next_round(state, state.global_params, restart, included,

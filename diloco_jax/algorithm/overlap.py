@@ -34,6 +34,10 @@ config.diloco.overlap:
                             island's share of the mean, w_m d_m(r) / sum_j
                             w_j, so the others' part of the round is a round
                             late.
+                            Under either, the run's first
+                            config.diloco.overlap_warmup_rounds rounds wait
+                            for their own mean: u_m(r) = D(r), so every
+                            island steps as DiLoCo's x (`block_on_mean`).
                             With either, x, the model the run is judged by,
                             is the islands' average point, formed to
                             evaluate and at the end (after the rest of the
@@ -126,6 +130,21 @@ def eager_updates(in_flight, in_flight_valid, old_shares, new_shares):
     landed = jnp.where(in_flight_valid, mean[None] - old, 0.0)
     return landed + new
   return jax.tree.map(one, in_flight, old_shares, new_shares)
+
+
+def block_on_mean(blocking, mean, mean_valid, updates, shares):
+  """(updates, shares) of a round that waits for its own mean D(r) (the
+  eager overlap's warm-up), or the given ones when `blocking` is False.
+
+  Waiting, every island steps on D(r) as DiLoCo's x does, and D(r) is
+  its share, u_m(r) = D(r), so when D(r) lands a round later it cancels
+  exactly. With no mean (no island took part) both are 0: no step.
+  """
+  def pick(m, given):
+    waited = jnp.where(mean_valid, m, 0.0)[None]
+    return jnp.where(blocking, jnp.broadcast_to(waited, given.shape), given)
+  return (jax.tree.map(pick, mean, updates),
+          jax.tree.map(pick, mean, shares))
 
 
 def rebase(island_params, anchors, x, keep: jax.Array):

@@ -2,6 +2,8 @@
 of a params tree through a codec, DDP's and DiLoCo's workloads, those of a
 run's config, and the estimate summary.json reports."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -11,6 +13,7 @@ from diloco_jax.analysis.network_model import (Link, Workload,
                                                end_of_run_s, is_int, require,
                                                timing)
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import stages as stages_lib
@@ -238,7 +241,9 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
 
   Returns:
     A dict of JSON numbers: the link, the bytes per sync, the modeled round
-    time, utilization and wall-clock time of the whole run (its rounds and
+    time and utilization of a steady round, the utilization over the run's
+    rounds and the wall-clock time of the whole run (its rounds, eager
+    updates' warm-up rounds at the time of a round without overlap, and
     end_of_run_s), and
     `network_bandwidth_for_utilization` {target: bits/s} (None where latency
     alone forbids the target).
@@ -250,6 +255,14 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
   t = timing(workload, link)
   pretrain = min(config.pretrain_steps, config.total_steps)
   steps = config.total_steps - pretrain
+  rounds = steps / workload.inner_steps
+  # Eager updates' warm-up rounds wait for their mean as without overlap.
+  warmup = (min(overlap_defaults.warmup_rounds(config.diloco), rounds)
+            if workload.overlap != "none" else 0)
+  waiting = (timing(dataclasses.replace(workload, overlap="none"), link)
+             if warmup else t)
+  rounds_s = (warmup * waiting.round_s + (rounds - warmup) * t.round_s
+              + (end_of_run_s(workload, link) if steps else 0.0))
   needed = {}
   for target in targets:
     try:
@@ -264,8 +277,9 @@ def run_estimate(config, step_time_s: float, bandwidth_bits_per_s: float,
       "network_sync_bytes": workload.sync_bytes,
       "network_round_s": t.round_s,
       "network_utilization": t.utilization,
-      "network_wall_s": pretrain * step_time_s
-                        + steps / workload.inner_steps * t.round_s
-                        + (end_of_run_s(workload, link) if steps else 0.0),
+      # Over the run's rounds: warm-up and the end's last wait included.
+      "network_run_utilization": (steps * step_time_s / rounds_s if steps
+                                  else t.utilization),
+      "network_wall_s": pretrain * step_time_s + rounds_s,
       "network_bandwidth_for_utilization": needed,
   }

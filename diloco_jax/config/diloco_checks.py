@@ -98,6 +98,21 @@ def _parses(problems: Problems, field: str, parse, *args) -> None:
     problems.require(False, field, f"config.{field}: {e}")
 
 
+def _check_overlap_warmup(diloco, problems: Problems) -> None:
+  warmup = diloco.overlap_warmup_rounds
+  if warmup is None:
+    return
+  field = "diloco.overlap_warmup_rounds"
+  problems.require(
+      isinstance(warmup, int) and warmup >= 0, field,
+      f"config.{field}={warmup} must be a whole number of rounds >= 0")
+  problems.require(
+      warmup == 0 or overlap_lib.is_eager(diloco.overlap), field,
+      f"config.{field}={warmup} delays the start of eager updates; "
+      f"config.diloco.overlap={diloco.overlap!r} is not 'eager' or "
+      "'eager_share'")
+
+
 def _check_overlap_and_placement(config, problems: Problems) -> None:
   diloco, mode = config.diloco, config.mode
   problems.require(
@@ -118,6 +133,7 @@ def _check_overlap_and_placement(config, problems: Problems) -> None:
     problems.require(
         0 < own_weight <= 1, "diloco.eager_own_weight",
         f"config.diloco.eager_own_weight={own_weight} must be in (0, 1]")
+  _check_overlap_warmup(diloco, problems)
   problems.require(
       diloco.outer_placement in outer_devices.PLACEMENTS,
       "diloco.outer_placement",

@@ -109,6 +109,10 @@ def _diloco() -> Section:
       # pseudo-gradient d_m while the mean is in flight, in (0, 1]; unset:
       # 1, its whole round at once.
       "eager_own_weight": config_dict.placeholder(float),
+      # 'eager' and 'eager_share' only: the run's first rounds wait for their
+      # own mean as without overlap, and eager updates begin after them.
+      # Unset: 2 under 'eager', 0 under 'eager_share' (overlap_defaults.py).
+      "overlap_warmup_rounds": config_dict.placeholder(int),
       # Where x, the outer optimizer state and the cross-island collective
       # live (run/host_outer.py): 'device' with the islands; 'host' on one
       # other device per process (the host's CPU beside accelerators; a CPU

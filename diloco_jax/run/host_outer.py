@@ -65,13 +65,16 @@ class RoundOuter(OuterSide):
                inner_opt: optax.GradientTransformation, overlap: str,
                restart_dropped: bool, fsdp: bool,
                reset_inner: bool = False,
-               eager_own_weight: float | None = None):
-    """`sync`: outer_step.make_island_sync's on `mesh`; `eager_own_weight`:
-    config.diloco.eager_own_weight."""
+               eager_own_weight: float | None = None,
+               warmup_rounds: int = 0):
+    """`sync`: outer_step.make_island_sync's on `mesh`; `eager_own_weight`
+    and `warmup_rounds`: config.diloco.eager_own_weight and
+    overlap_warmup_rounds (None: 0)."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
     self._anchored = overlap_lib.anchored(overlap)
     self._eager = overlap_lib.is_eager(overlap)
+    self._warmup_rounds = warmup_rounds or 0
     own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
     self._restart_dropped = restart_dropped
     self._reset_inner = reset_inner
@@ -95,12 +98,15 @@ class RoundOuter(OuterSide):
                                             + int(ends_round))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
-    def eager_reset(state, landed, landed_valid, weights, restart, keep):
+    def eager_reset(state, landed, landed_valid, weights, restart, keep,
+                    waited):
       """Eager updates: the islands' own outer steps on the mean that
-      landed, then the next round (x is not formed in a round)."""
+      landed (in the warm-up, on the round's own mean they `waited` for),
+      then the next round (x is not formed in a round)."""
       state = outer_step_lib.eager_islands(outer_opt, state, landed,
                                            landed_valid, weights, keep,
-                                           own_weight=own_weight)
+                                           own_weight=own_weight,
+                                           waited=waited)
       return reset(state, state.global_params, restart, keep, True)
 
     def settle(state, landed, landed_valid, outer_state):
@@ -150,8 +156,14 @@ class RoundOuter(OuterSide):
       landed, landed_valid = self._landed()
       self._outer = self._send(self._outer, island_params, outer_weights,
                                reference)
+      waited = None
+      # The replicated round count, read from this process's own copy.
+      if (self._warmup_rounds and int(
+          state.round.addressable_shards[0].data) < self._warmup_rounds):
+        # The warm-up: the islands wait for this round's own mean.
+        waited = (jnp.ones((), bool),) + self._landed()
       return self._eager_reset(state, landed, landed_valid, weights,
-                               restart, keep)
+                               restart, keep, waited)
     if self._delayed:
       # x_r from the mean that has had this round to arrive; the new
       # collective is queued after it, on the outer devices only, so the
@@ -303,7 +315,8 @@ def build(outer_devices, islands: int, compute_mesh,
           rounding_seed: int | None = None, restart_dropped: bool = False,
           overlap: str = "none", fragments: int | None = None,
           fsdp: bool = False, reset_inner: bool = False,
-          eager_own_weight: float | None = None) -> OuterSide:
+          eager_own_weight: float | None = None,
+          warmup_rounds: int | None = None) -> OuterSide:
   """The outer side of a run with outer_placement='host' on
   `outer_devices` (one per process).
 
@@ -327,4 +340,5 @@ def build(outer_devices, islands: int, compute_mesh,
                     sync=sync, inner_opt=inner_opt, overlap=overlap,
                     restart_dropped=restart_dropped, fsdp=fsdp,
                     reset_inner=reset_inner,
-                    eager_own_weight=eager_own_weight)
+                    eager_own_weight=eager_own_weight,
+                    warmup_rounds=warmup_rounds)

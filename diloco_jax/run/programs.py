@@ -20,6 +20,7 @@ from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import background
@@ -116,7 +117,8 @@ def _outer_programs(run_config: run_config_lib.RunConfig, mesh,
       restart_dropped=config.diloco.dropped_islands == "idle",
       overlap=overlap,
       reset_inner=config.diloco.inner_state == "reset",
-      eager_own_weight=config.diloco.eager_own_weight).lower(
+      eager_own_weight=config.diloco.eager_own_weight,
+      warmup_rounds=overlap_defaults.warmup_rounds(config.diloco)).lower(
           state, weights).compile()}
   if overlap_lib.is_delayed(overlap):
     programs["flush"] = outer_step_lib.make_flush(

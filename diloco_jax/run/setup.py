@@ -16,6 +16,7 @@ import numpy as np
 from absl import logging
 
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
 from diloco_jax.data import sources
@@ -251,7 +252,8 @@ def _host_outer(run_config: run_config_lib.RunConfig,
       fragments=config.diloco.fragments if run_config.streaming else None,
       fsdp=config.mesh.fsdp,
       reset_inner=config.diloco.inner_state == "reset",
-      eager_own_weight=config.diloco.eager_own_weight)
+      eager_own_weight=config.diloco.eager_own_weight,
+      warmup_rounds=overlap_defaults.warmup_rounds(config.diloco))
 
 
 def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:

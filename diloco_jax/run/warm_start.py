@@ -100,6 +100,7 @@ def pretrain_config(config):
   # One worker has no outer step to overlap, stream or place.
   pretrain.diloco.overlap = "none"
   pretrain.diloco.eager_own_weight = None
+  pretrain.diloco.overlap_warmup_rounds = None
   pretrain.diloco.fragments = 1
   pretrain.diloco.fragment_delay = 0
   pretrain.diloco.fragment_alpha = 0.0
