@@ -255,17 +255,23 @@ def test_one_island_s_eager_update_is_its_mean_bit_for_bit():
                      state.in_flight)), jax.device_get(state.own_shares))
 
 
-def test_resume_with_a_mean_in_flight_is_exact(tmp_path):
-  """Killed at step 8, mid-round 3: round 2's mean in flight, the islands'
-  own points, outer states and shares saved; the resumed run ends where
-  the whole one does, bit for bit."""
+@pytest.mark.parametrize("warmup,killed_at", [
+    (0, 8),  # mid-round 3: round 2's mean in flight
+    (2, 5),  # mid-round 2, which still waits for its mean when resumed
+])
+def test_resume_with_a_mean_in_flight_is_exact(tmp_path, warmup, killed_at):
+  """Killed mid-round with a mean in flight, the islands' own points,
+  outer states and shares saved; the resumed run ends where the whole one
+  does, bit for bit (in the warm-up too: it is counted by the saved
+  round)."""
+  config = lambda: _config(**{"diloco.overlap_warmup_rounds": warmup})
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-  summary = train.train_and_evaluate(_config(), whole)
+  summary = train.train_and_evaluate(config(), whole)
   assert summary["overlap"] == "eager"
-  test_checkpoint.forget_after(whole, resumed, 8)
+  test_checkpoint.forget_after(whole, resumed, killed_at)
   saved = test_checkpoint._final_state(resumed)  # pylint: disable=protected-access
   assert saved["in_flight_valid"]
-  train.train_and_evaluate(_config(), resumed)
+  train.train_and_evaluate(config(), resumed)
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
 
 
