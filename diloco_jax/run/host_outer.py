@@ -69,12 +69,12 @@ class RoundOuter(OuterSide):
                warmup_rounds: int = 0):
     """`sync`: outer_step.make_island_sync's on `mesh`; `eager_own_weight`
     and `warmup_rounds`: config.diloco.eager_own_weight and
-    overlap_warmup_rounds (None: 0)."""
+    overlap_defaults.warmup_rounds."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._delayed = overlap_lib.is_delayed(overlap)
     self._anchored = overlap_lib.anchored(overlap)
     self._eager = overlap_lib.is_eager(overlap)
-    self._warmup_rounds = warmup_rounds or 0
+    self._warmup_rounds = warmup_rounds
     own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
     self._restart_dropped = restart_dropped
     self._reset_inner = reset_inner
@@ -156,12 +156,9 @@ class RoundOuter(OuterSide):
       landed, landed_valid = self._landed()
       self._outer = self._send(self._outer, island_params, outer_weights,
                                reference)
-      waited = None
-      # The replicated round count, read from this process's own copy.
-      if (self._warmup_rounds and int(
-          state.round.addressable_shards[0].data) < self._warmup_rounds):
-        # The warm-up: the islands wait for this round's own mean.
-        waited = (jnp.ones((), bool),) + self._landed()
+      # In the warm-up the islands wait for this round's own mean.
+      waited = ((jnp.ones((), bool),) + self._landed()
+                if self._warming_up(state) else None)
       return self._eager_reset(state, landed, landed_valid, weights,
                                restart, keep, waited)
     if self._delayed:
@@ -197,6 +194,14 @@ class RoundOuter(OuterSide):
                          False)
     self._outer = self._apply(self._outer)
     return self._reset(state, self._x_on_compute(), nobody, nobody, False)
+
+  def _warming_up(self, state: state_lib.TrainState) -> bool:
+    """Whether this round is one of the warm-up's, from this process's own
+    copy of the replicated round count; once past it, never read again."""
+    if self._warmup_rounds and (int(state.round.addressable_shards[0].data)
+                                >= self._warmup_rounds):
+      self._warmup_rounds = 0
+    return self._warmup_rounds > 0
 
   def _landed(self):
     """The mean in flight (and whether it holds one), on the compute
@@ -316,7 +321,7 @@ def build(outer_devices, islands: int, compute_mesh,
           overlap: str = "none", fragments: int | None = None,
           fsdp: bool = False, reset_inner: bool = False,
           eager_own_weight: float | None = None,
-          warmup_rounds: int | None = None) -> OuterSide:
+          warmup_rounds: int = 0) -> OuterSide:
   """The outer side of a run with outer_placement='host' on
   `outer_devices` (one per process).
 
