@@ -99,8 +99,8 @@ def _outer_steps(config, names, params, shapes) -> None:
   islands = _ISLANDS.value
   print(f"\nouter step, {islands} islands on {islands} CPU devices:")
   mesh = mesh_lib.build_mesh(islands)
-  outer_opt = optimizers.outer_optimizer(
-      overlap_defaults.resolve(config).diloco.outer_optimizer)
+  outer_opt = optimizers.outer_optimizer(run_config.outer_optimizer(
+      overlap_defaults.resolve(config).diloco.outer_optimizer))
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   fp32_bytes = communication.island_mean_bytes(shapes, islands)
   baseline = None

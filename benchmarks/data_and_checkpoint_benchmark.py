@@ -120,14 +120,16 @@ def _checkpoint(tmp: str) -> None:
   from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import state as state_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.config import overlap_defaults  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import run_config  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.run import checkpoints  # pylint: disable=g-import-not-at-top
   c4 = c4_150m.get_config()
   islands = _ISLANDS.value
   _, params = model_lib.init_params(c4.model, 0)
-  inner = optimizers.inner_optimizer(c4.inner_optimizer, c4.total_steps)
-  outer = optimizers.outer_optimizer(
-      overlap_defaults.resolve(c4).diloco.outer_optimizer)
+  inner = optimizers.inner_optimizer(
+      run_config.inner_optimizer(c4.inner_optimizer), c4.total_steps)
+  outer = optimizers.outer_optimizer(run_config.outer_optimizer(
+      overlap_defaults.resolve(c4).diloco.outer_optimizer))
   with jax.default_device(jax.devices()[0]):
     state = jax.jit(lambda p: state_lib.init_state(p, inner, outer,
                                                    islands))(params)

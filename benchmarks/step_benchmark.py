@@ -83,16 +83,18 @@ class InnerSteps:
     from diloco_jax.algorithm import outer_step as outer_step_lib
     from diloco_jax.algorithm import state as state_lib
     from diloco_jax.config import overlap_defaults
+    from diloco_jax.config import run_config
     from diloco_jax.model import transformer as model_lib
     from diloco_jax.parallel import mesh as mesh_lib
     self.tokens_per_step = islands * batch_size * config.data.sequence_length
     mesh = mesh_lib.build_mesh(islands, devices=jax.devices()[:1])
     loss_fn = functools.partial(model_lib.next_token_loss,
                                 model_lib.graphdef(config.model))
-    inner_opt = optimizers.inner_optimizer(config.inner_optimizer,
-                                           config.total_steps)
-    outer_opt = optimizers.outer_optimizer(
-        overlap_defaults.resolve(config).diloco.outer_optimizer)
+    inner_opt = optimizers.inner_optimizer(
+        run_config.inner_optimizer(config.inner_optimizer),
+        config.total_steps)
+    outer_opt = optimizers.outer_optimizer(run_config.outer_optimizer(
+        overlap_defaults.resolve(config).diloco.outer_optimizer))
     init = lambda seed: state_lib.init_state(
         model_lib.new_params(config.model, seed), inner_opt, outer_opt,
         islands)
@@ -130,10 +132,12 @@ def _plain_steps(config):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import run_config
   from diloco_jax.model import transformer as model_lib
   loss_fn = functools.partial(model_lib.next_token_loss,
                               model_lib.graphdef(config.model))
-  opt = optimizers.inner_optimizer(config.inner_optimizer, config.total_steps)
+  opt = optimizers.inner_optimizer(
+      run_config.inner_optimizer(config.inner_optimizer), config.total_steps)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch):

@@ -8,10 +8,11 @@ compute-optimal budget of the DiLoCo scaling-laws study), here counted on
 all parameters, as 4 islands with H=10 and the outer step that won on
 this regime (lr 1, momentum 0: plain averaging): over 50 outer rounds at
 both scales. The scales (byte-level models on the embedded
-corpus; 2 CPU cores, measured):
+corpus; time a run, docs/results.md#the-compute-optimal-regime):
 
-  small  0.15M params,  3.0M tokens,  73 rounds, ~2 min a run
-  large  0.82M params, 16.4M tokens, 400 rounds, ~30 min a run
+  small  0.15M params,  3.0M tokens,  73 rounds, ~2 min on 2 CPU cores
+  large  0.82M params, 16.4M tokens, 401 rounds, ~30 min on 2 CPU cores
+         (estimated), 25-240 s on one H100
   gpu    43M params,   0.85B tokens (for a GPU; not run on CPU)
   quick  the tests' tiny model, seconds
 

@@ -14,7 +14,12 @@ Where a fragment's sync takes longer than tau inner steps (a slower link,
 a bigger model), a whole-round overlap hides more: --config.diloco.
 fragments=1 --config.diloco.fragment_delay=0 --config.diloco.fragment_alpha=0
 --config.diloco.overlap=eager (or one_step_delay_rebase), at a cost in loss
-over few rounds (docs/islands.md).
+over few rounds (docs/islands.md). The overlap then runs its own measured
+outer step (eager: Nesterov lr 0.5, momentum 0.7), not the averaging this
+config inherits for no overlap, unless --config.diloco.outer_optimizer.*
+sets one; the log's "outer step:" line says which. SparseLoCo
+(--config.diloco.outer_optimizer.name=sparseloco) sends its own codec in
+place of fp4.
 """
 
 from configs import default

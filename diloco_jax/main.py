@@ -12,6 +12,7 @@ _LAUNCH_TIME = time.time()  # first thing: startup_s counts from here
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -98,6 +99,17 @@ class _QuietLibraries:
     return record.levelno > 20  # 20 = INFO
 
 
+def _drop_closed_loop_callbacks(unraisable) -> None:
+  """sys.unraisablehook: drops the "Event loop is closed" errors that
+  tensorstore's callbacks raise when a failed checkpoint save's asyncio
+  loop ended before its other writes did (one traceback per write, up to
+  hundreds); the failure itself reaches the run as an exception. Others
+  go to the default hook."""
+  if not (unraisable.exc_type is RuntimeError
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    sys.__unraisablehook__(unraisable)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with each mistake reported in one line: an
   unknown config field (with the nearest one), a bad value, a config file
@@ -133,10 +145,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  sys.unraisablehook = _drop_closed_loop_callbacks
   config = _CONFIG.value
   _configure_devices(config)
   # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import guards
+  from diloco_jax.config import command_line
   from diloco_jax.config import validation
   from diloco_jax.data import errors as data_errors
   from diloco_jax.parallel import peer_watch
@@ -147,8 +161,11 @@ def main(argv):
   from diloco_jax.run import workdir
   # pylint: enable=g-import-not-at-top
   try:
-    train.train_and_evaluate(config, _WORKDIR.value,
-                             launch_time=_LAUNCH_TIME)
+    # What the file chose for its own overlap and outer optimizer does
+    # not bind what the flags change (config/outer_choice.py).
+    train.train_and_evaluate(
+        config, _WORKDIR.value, launch_time=_LAUNCH_TIME,
+        command_line=command_line.from_flag(flags.FLAGS[_CONFIG.name]))
   except stops.StopRequested as e:
     logging.warning("%s", e)
     _exit(e.exit_code, str(e), failed=False)

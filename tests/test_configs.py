@@ -1,8 +1,12 @@
 """Every shipped config builds, validates, and has the model it promises."""
 
+import dataclasses
+import gzip
 import importlib
+import json
 
 import pytest
+import sentencepiece as spm
 
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
@@ -55,9 +59,6 @@ def test_the_scaling_regime_is_compute_optimal_with_many_rounds():
 
 def test_paper_c4_configs_validate_given_their_data(tmp_path):
   """With C4 shards and a SentencePiece model, the paper configs are valid."""
-  spm = pytest.importorskip("sentencepiece")
-  import gzip
-  import json  # pylint: disable=g-import-not-at-top,multiple-imports
   texts = [f"document {i} about topic {i % 7}: " + "words " * (i % 13 + 3)
            for i in range(400)]
   shards = tmp_path / "c4"
@@ -120,3 +121,31 @@ def test_a_valid_config_comes_back_frozen_with_what_it_stands_for():
   assert run_config.participation(1).tolist() == [True, False]
   assert run_config.data.corpus == "synthetic"
   assert run_config.data.vocab_size == config.data.synthetic.vocab_size + 1
+
+
+def test_the_optimizer_settings_carry_every_field_of_their_sections():
+  """algorithm/optimizers.py takes typed settings: each field of
+  config.inner_optimizer and config.diloco.outer_optimizer reaches them
+  with its value (a field added to the schema but not to the settings
+  would be silently ignored)."""
+  from diloco_jax.config import overlap_defaults  # pylint: disable=g-import-not-at-top
+  from diloco_jax.config import run_config  # pylint: disable=g-import-not-at-top
+  config = overlap_defaults.resolve(
+      importlib.import_module("configs.default").get_config())
+  # Distinct values, so that a field read from another cannot pass.
+  for section in (config.inner_optimizer, config.inner_optimizer.muon,
+                  config.diloco.outer_optimizer):
+    for offset, key in enumerate(sorted(section.keys()), start=1):
+      if isinstance(section[key], float):
+        section[key] = 0.01 * offset + 0.001
+  for section, settings in (
+      (config.inner_optimizer,
+       run_config.inner_optimizer(config.inner_optimizer)),
+      (config.diloco.outer_optimizer,
+       run_config.outer_optimizer(config.diloco.outer_optimizer))):
+    values = dataclasses.asdict(settings)
+    for key in section.keys():
+      expected = section[key]
+      if hasattr(expected, "keys"):
+        expected = expected.to_dict()
+      assert values[key] == expected, key

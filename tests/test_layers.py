@@ -104,3 +104,43 @@ def test_the_old_names_users_import_still_work_with_a_warning():
       assert getattr(diloco_jax, name) is module
   with pytest.raises(AttributeError):
     diloco_jax.diloco  # pylint: disable=pointless-statement
+
+
+def _config_reads(path: pathlib.Path) -> list[str]:
+  """Where the module at `path` could read a config: an import of
+  ml_collections, or a function taking a parameter named `config` or
+  `*_config` (a config section passed down)."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      names = [node.module or ""]
+    else:
+      names = []
+    found += [f"{path.name}:{node.lineno}: imports {name}" for name in names
+              if name.split(".")[0] == "ml_collections"]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      args = node.args
+      for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+        if arg.arg == "config" or arg.arg.endswith("_config"):
+          found.append(f"{path.name}:{node.lineno}: takes {arg.arg}")
+  return found
+
+
+def test_the_algorithm_layer_reads_no_config():
+  """algorithm/ takes typed settings (dataclasses, scalars); config/
+  builds them from a run's config (run_config.py), as docs/architecture.md
+  says."""
+  reads = [read for path in sorted((PACKAGE / "algorithm").glob("*.py"))
+           for read in _config_reads(path)]
+  assert not reads, "config reads in algorithm/:\n" + "\n".join(reads)
+
+
+def test_the_config_check_sees_an_import_and_a_section(tmp_path):
+  module = tmp_path / "m.py"
+  module.write_text("import ml_collections\n"
+                    "def f(inner_config, *, config=None):\n  pass\n")
+  assert _config_reads(module) == ["m.py:1: imports ml_collections",
+                                   "m.py:2: takes inner_config",
+                                   "m.py:2: takes config"]

@@ -1,14 +1,24 @@
 """Muon inside the islands (config.inner_optimizer.name='muon', MuLoCo):
 Muon on the transformer blocks' matrices, AdamW on everything else."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import NamedSharding
 
+from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.model import transformer as model_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import train
+from tests import helpers
 
 
 def _inner_config(name):
@@ -16,7 +26,7 @@ def _inner_config(name):
   config.name = name
   config.warmup_steps = 0
   config.grad_clip_norm = 0.0
-  return config
+  return run_config.inner_optimizer(config)
 
 
 def _paths(tree, label):
@@ -85,5 +95,93 @@ def test_stacked_layers_are_orthogonalized_one_by_one():
 
 
 def test_an_unknown_inner_optimizer_is_refused():
-  with pytest.raises(ValueError, match="inner_optimizer.name='lion'"):
+  with pytest.raises(ValueError, match="name='lion'"):
     optimizers.inner_optimizer(_inner_config("lion"), 10)
+
+
+def _reference_leaf_optimizer(label, inner, schedule):
+  """The optimizer one leaf takes under name='muon', built here straight
+  from optax: optax.contrib.muon on a block matrix, AdamW (decaying
+  matrices only) on the rest."""
+  if label == "muon":
+    return optax.contrib.muon(
+        learning_rate=schedule, ns_steps=inner.muon.ns_steps,
+        beta=inner.muon.momentum, weight_decay=inner.weight_decay,
+        consistent_rms=inner.muon.consistent_rms)
+  return optax.adamw(schedule, b1=inner.b1, b2=inner.b2, eps=inner.eps,
+                     weight_decay=inner.weight_decay if label == "matrix"
+                     else 0.0)
+
+
+def test_the_islands_inner_steps_are_optax_muon_on_the_blocks():
+  """Three inner steps of 2 islands with config.inner_optimizer.name =
+  'muon' (warmup, clipping and all), as the run compiles them, against
+  each leaf stepped alone by optax.contrib.muon (the blocks' kernels) or
+  AdamW (embedding, norms) on the same island's gradients, clipped by
+  their global norm. The island step is vmapped: its matmuls (the
+  gradients, Newton-Schulz) may sum in another order, a few ulps, which
+  Adam's normalization can grow where a gradient is near 0 (rtol 1e-5,
+  atol 1e-6, as for stacked layers above)."""
+  config = config_schema.base_config().inner_optimizer
+  config.name, config.learning_rate, config.warmup_steps = "muon", 1e-2, 1
+  inner, total_steps, islands = run_config.inner_optimizer(config), 10, 2
+  params, loss_fn = helpers.tiny_problem()
+  params = jax.tree.map(np.array, params)
+  opt = optimizers.inner_optimizer(inner, total_steps)
+  mesh = mesh_lib.build_mesh(islands)
+  state = state_lib.init_state(params, opt, optax.sgd(1.0), islands)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
+  step = inner_step_lib.make_inner_step(loss_fn, opt, mesh)
+  batches = helpers.random_batches(3, islands, 2)
+  for batch in batches:
+    state, _ = step(state, jax.device_put(
+        batch, NamedSharding(mesh, state_lib.BATCH_SPEC)))
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, 1e-2, 1, total_steps, 1e-2 * config.final_learning_rate_fraction)
+  leaves, treedef = jax.tree.flatten(params)
+  labels = [label if label == "muon" or leaf.ndim < 2 else "matrix"
+            for label, leaf in zip(
+                jax.tree.leaves(optimizers.muon_labels(params)), leaves)]
+  assert labels.count("muon") == 7 and labels.count("matrix") == 1
+  reference = [_reference_leaf_optimizer(label, inner, schedule)
+               for label in labels]
+
+  @jax.jit
+  def reference_step(ours, slots, batch):
+    grads = jax.tree.leaves(jax.grad(loss_fn)(
+        jax.tree.unflatten(treedef, ours), batch))
+    scale = jnp.minimum(1.0, inner.grad_clip_norm / optax.tree.norm(grads))
+    stepped = [r.update(g * scale, s, p) for r, g, s, p in zip(
+        reference, grads, slots, ours)]
+    return ([optax.apply_updates(p, u) for p, (u, _) in zip(ours, stepped)],
+            [s for _, s in stepped])
+
+  for island in range(islands):
+    ours = leaves
+    slots = [r.init(leaf) for r, leaf in zip(reference, leaves)]
+    for batch in batches:
+      ours, slots = reference_step(ours, slots, batch[island])
+    helpers.assert_trees_close(
+        jax.tree.map(lambda y: y[island], jax.device_get(state.island_params)),
+        jax.tree.unflatten(treedef, ours), rtol=1e-5, atol=1e-6)
+
+
+def test_a_diloco_run_with_inner_muon_learns(tmp_path):
+  """configs/tiny.py with Muon inside the islands, 4 rounds at an inner
+  learning rate that learns in 16 steps: every round's eval is below the
+  one before, and x ends 0.45 nats below the untrained model's loss
+  (measured; 0.3 asked). The embedding and head alone (AdamW) get about
+  0.19 in these steps, with Muon's blocks stepping uphill (measured), and
+  their eval rises in the last round."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = helpers.with_overrides(tiny.get_config(), {
+      "inner_optimizer.name": "muon", "inner_optimizer.learning_rate": 1e-2,
+      "total_steps": 16})
+  workdir = tmp_path / "muon"
+  summary = train.train_and_evaluate(config, str(workdir))
+  with open(workdir / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  assert len(evals) == 4 and evals[-1] == summary["final_eval_loss"]
+  assert all(later < earlier for earlier, later in zip(evals, evals[1:]))
+  assert summary["final_eval_loss"] < records[0]["train_loss"] - 0.3

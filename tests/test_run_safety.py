@@ -306,16 +306,40 @@ def test_the_lock_is_exclusive_within_a_process_too(tmp_path):
     ("   ", r"give a directory"),
     ("{file}/sub", r"cannot create it: Not a directory"),
     ("{file}", r"is a file, not a directory"),
+    # A URL would otherwise become a local directory named 'gs:'.
+    ("gs://bucket/runs/x", r"^--workdir=gs://bucket/runs/x is a URL, .*"
+     r"mount the bucket"),
+    ("s3://bucket/x", r"is a URL"),
 ])
 def test_unusable_workdirs_are_refused_before_anything_is_written(
     tmp_path, monkeypatch, workdir, message):
   monkeypatch.chdir(tmp_path)
   a_file = tmp_path / "a_file"
   a_file.write_text("x")
-  with pytest.raises(workdir_lib.WorkdirError, match=message):
+  with pytest.raises(workdir_lib.WorkdirError, match=message) as error:
     train.train_and_evaluate(_config(),
                              workdir.format(file=str(a_file)))
+  assert "\n" not in str(error.value)
   assert sorted(os.listdir(tmp_path)) == ["a_file"]
+  # The claim refuses it too, for callers that claim a workdir themselves.
+  if "://" in workdir:
+    with pytest.raises(workdir_lib.WorkdirError, match=message):
+      workdir_lib.claim(workdir)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_a_url_workdir_is_one_line_from_the_command_line(tmp_path):
+  """BUILD.md's multi-host commands once gave gs://... workdirs; main
+  refuses one in a line, creating nothing where it runs."""
+  process = subprocess.run(
+      [sys.executable, "-m", "diloco_jax.main",
+       f"--config={REPO}/configs/tiny.py", "--workdir=gs://bucket/runs/x"],
+      cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=120)
+  assert process.returncode == 1
+  assert process.stderr.strip().splitlines()[-1].startswith(
+      "error: --workdir=gs://bucket/runs/x is a URL"), process.stderr[-2000:]
+  assert "Traceback" not in process.stderr
+  assert os.listdir(tmp_path) == []
 
 
 # 4. Graceful stops.

@@ -18,6 +18,7 @@ import pytest
 from configs import tiny
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import checkpoints as checkpointing
@@ -112,7 +113,8 @@ def test_metrics_mark_the_phase_and_total_steps_counts_both(runs):
   # One learning rate schedule spans both phases.
   np.testing.assert_allclose(
       [r["learning_rate"] for r in records],
-      optimizers.learning_rate_table(config.inner_optimizer, TOTAL),
+      optimizers.learning_rate_table(
+          run_config.inner_optimizer(config.inner_optimizer), TOTAL),
       rtol=1e-6)
 
 

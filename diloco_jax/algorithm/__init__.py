@@ -15,7 +15,8 @@ optax optimizers, a mesh and typed settings.
   compression.py    codecs over pytrees and their bytes;
                     matrix_codecs.py the per-matrix ones (sign pruning,
                     top-k, low rank).
-  optimizers.py     the inner (AdamW) and outer (Nesterov, ...) optimizers.
+  optimizers.py     the inner (AdamW, Muon) and outer (Nesterov, ...)
+                    optimizers, from their typed settings.
   participation.py  which islands take part in each round.
   guards.py         what counts as diverged (NaN/inf), said in one line.
   schedule.py       what runs after each inner step (outer step, flush,

@@ -38,7 +38,8 @@ SPARSELOCO = "sparseloco"
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-  """A codec over pytrees and its settings (built by `from_config`).
+  """A codec over pytrees and its settings (a run's is built by
+  config/run_config.compression).
 
   Attributes:
     name: one of CODECS.

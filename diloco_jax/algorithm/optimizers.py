@@ -1,9 +1,13 @@
-"""Inner and outer optimizers, built from the config with optax.
+"""Inner and outer optimizers, built with optax from typed settings.
 
 The inner optimizer is what each island runs for H steps (AdamW with warmup,
 cosine decay and clipping); the outer optimizer consumes the averaged
 pseudo-gradient once per round (Nesterov SGD by default, as in DiLoCo).
+Both take frozen dataclasses (`InnerSettings`, `OuterSettings`), never a
+config: config/run_config.py builds them from a run's config sections.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,40 +17,101 @@ import optax
 from diloco_jax.parallel.stages import LAYERS
 
 
+@dataclasses.dataclass(frozen=True)
+class MuonSettings:
+  """Muon's own settings (MuLoCo): its momentum, the Newton-Schulz steps
+  that orthogonalize an update, and the RMS its updates are scaled to
+  (AdamW's, so both share one learning rate schedule)."""
+  momentum: float
+  ns_steps: int
+  consistent_rms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerSettings:
+  """The islands' optimizer.
+
+  Attributes:
+    name: 'adamw', or 'muon': Muon on the blocks' matrices, AdamW with the
+      fields below on the rest (`muon_labels`).
+    learning_rate: the peak of the warmup + cosine schedule.
+    warmup_steps: linear warmup from 0 to the peak.
+    final_learning_rate_fraction: the cosine's floor, as a part of the peak.
+    schedule_steps: the steps the schedule spans (0: the run's total).
+    weight_decay: decoupled weight decay, on matrices only.
+    b1, b2, eps: AdamW's moments and epsilon.
+    grad_clip_norm: clip the gradient's global norm to this (0: off).
+    muon: Muon's settings (name 'muon' only).
+  """
+  name: str
+  learning_rate: float
+  warmup_steps: int
+  final_learning_rate_fraction: float
+  schedule_steps: int
+  weight_decay: float
+  b1: float
+  b2: float
+  eps: float
+  grad_clip_norm: float
+  muon: MuonSettings | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterSettings:
+  """The step on the global params once per round.
+
+  Attributes:
+    name: 'nesterov', 'sgd', 'momentum', 'adam' or 'sparseloco' (see
+      `outer_optimizer`).
+    learning_rate: the outer learning rate (SparseLoCo's alpha).
+    momentum: 'nesterov' and 'momentum' only.
+    b1, b2, eps: 'adam' only.
+  """
+  name: str
+  learning_rate: float
+  momentum: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 0.1
+
+
 def _decay_mask(params):
   # Weight decay on matrices only: norms' scales have no reason to shrink
   # toward zero, and decaying them hurts small models noticeably.
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def schedule_length(inner_config, total_steps: int) -> int:
+def schedule_length(inner: InnerSettings, total_steps: int) -> int:
   """The steps the learning rate schedule spans: schedule_steps, or
   total_steps when that is 0 (a run stopped early on a longer run's
-  schedule sets it, e.g. the pretraining phase of config.pretrain_steps)."""
-  return inner_config.get("schedule_steps", 0) or total_steps
+  schedule sets it, e.g. the pretraining phase of the DiLoCo paper's
+  protocol)."""
+  return inner.schedule_steps or total_steps
 
 
-def inner_learning_rate(inner_config, total_steps: int) -> optax.Schedule:
+def inner_learning_rate(inner: InnerSettings,
+                        total_steps: int) -> optax.Schedule:
   """Linear warmup to the peak, then cosine decay to a floor at the end of
   the schedule (schedule_length), held after it."""
-  peak = inner_config.learning_rate
-  total_steps = schedule_length(inner_config, total_steps)
-  warmup = min(inner_config.warmup_steps, max(total_steps - 1, 0))
+  peak = inner.learning_rate
+  total_steps = schedule_length(inner, total_steps)
+  warmup = min(inner.warmup_steps, max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=peak,
       warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1),
-      end_value=peak * inner_config.final_learning_rate_fraction,
+      end_value=peak * inner.final_learning_rate_fraction,
   )
 
 
-def learning_rate_table(inner_config, total_steps: int) -> np.ndarray:
+def learning_rate_table(inner: InnerSettings,
+                        total_steps: int) -> np.ndarray:
   """The inner learning rate before each of steps 1..total_steps (host).
 
   Evaluated on the CPU device, so a GPU/TPU run compiles nothing for it.
   """
-  schedule = jax.vmap(inner_learning_rate(inner_config, total_steps))
+  schedule = jax.vmap(inner_learning_rate(inner, total_steps))
   try:
     device = jax.local_devices(backend="cpu")[0]
   except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it)
@@ -100,72 +165,71 @@ def _muon_matrices(params):
       params)
 
 
-def _adamw(inner_config, learning_rate) -> optax.GradientTransformation:
+def _adamw(inner: InnerSettings,
+           learning_rate) -> optax.GradientTransformation:
   return optax.adamw(
       learning_rate=learning_rate,
-      b1=inner_config.b1,
-      b2=inner_config.b2,
-      eps=inner_config.eps,
-      weight_decay=inner_config.weight_decay,
+      b1=inner.b1,
+      b2=inner.b2,
+      eps=inner.eps,
+      weight_decay=inner.weight_decay,
       mask=_decay_mask,
   )
 
 
-def inner_optimizer(inner_config, total_steps: int,
+def inner_optimizer(inner: InnerSettings, total_steps: int,
                     stage_axis: str | None = None
                     ) -> optax.GradientTransformation:
   """The islands' optimizer, with warmup + cosine schedule, weight decay
   and global-norm clipping: AdamW, or with name 'muon' Muon on the blocks'
   matrices and AdamW on the rest (`muon_labels`). Muon's updates are
-  scaled to AdamW's RMS (inner_config.muon.consistent_rms), so both parts
-  share the schedule. With `stage_axis` the optimizer runs once per
-  pipeline stage (on that stage's layers), and the clipping norm spans the
+  scaled to AdamW's RMS (inner.muon.consistent_rms), so both parts share
+  the schedule. With `stage_axis` the optimizer runs once per pipeline
+  stage (on that stage's layers), and the clipping norm spans the
   stages."""
-  learning_rate = inner_learning_rate(inner_config, total_steps)
-  optimizer = _adamw(inner_config, learning_rate)
-  if inner_config.name == "muon":
-    muon = inner_config.muon
+  if inner.name not in ("adamw", "muon"):
+    raise ValueError(f"inner optimizer name={inner.name!r} is not 'adamw' "
+                     "or 'muon'")
+  learning_rate = inner_learning_rate(inner, total_steps)
+  optimizer = _adamw(inner, learning_rate)
+  if inner.name == "muon":
+    muon = inner.muon
+    if muon is None:
+      raise ValueError("inner optimizer 'muon' needs its MuonSettings")
     optimizer = optax.partition(
         {"muon": optax.contrib.muon(
             learning_rate=learning_rate,
             ns_steps=muon.ns_steps,
             beta=muon.momentum,
-            weight_decay=inner_config.weight_decay,
+            weight_decay=inner.weight_decay,
             consistent_rms=muon.consistent_rms,
             muon_weight_dimension_numbers=_muon_matrices),
          "adamw": optimizer},
         muon_labels)
-  elif inner_config.name != "adamw":
-    raise ValueError(
-        f"config.inner_optimizer.name={inner_config.name!r} is unknown")
-  if inner_config.grad_clip_norm > 0:
+  if inner.grad_clip_norm > 0:
     return optax.chain(
-        clip_by_global_norm(inner_config.grad_clip_norm, stage_axis),
-        optimizer)
+        clip_by_global_norm(inner.grad_clip_norm, stage_axis), optimizer)
   return optimizer
 
 
-def outer_optimizer(outer_config) -> optax.GradientTransformation:
+def outer_optimizer(outer: OuterSettings) -> optax.GradientTransformation:
   """The optimizer applied to the averaged pseudo-gradient once per round.
 
   'nesterov' (DiLoCo's default), 'sgd' (FedAvg when the learning rate is 1),
   'momentum' (heavy ball), 'adam' (with its eps; DiLoCo needed eps ~ 0.1)
   or 'sparseloco': x - alpha * mean, the momentum being in the islands'
-  error feedback (its learning rate is config.diloco.sparseloco.alpha,
-  set by overlap_defaults.resolve).
+  error feedback (its learning rate is SparseLoCo's alpha).
   """
-  name = outer_config.name
-  lr = outer_config.learning_rate
+  name, lr = outer.name, outer.learning_rate
   if name == "nesterov":
-    return optax.sgd(lr, momentum=outer_config.momentum, nesterov=True)
+    return optax.sgd(lr, momentum=outer.momentum, nesterov=True)
   if name == "momentum":
-    return optax.sgd(lr, momentum=outer_config.momentum, nesterov=False)
+    return optax.sgd(lr, momentum=outer.momentum, nesterov=False)
   if name in ("sgd", "sparseloco"):
     return optax.sgd(lr)
   if name == "adam":
-    return optax.adam(lr, b1=outer_config.b1, b2=outer_config.b2,
-                      eps=outer_config.eps)
-  raise ValueError(f"config.diloco.outer_optimizer.name={name!r} is unknown")
+    return optax.adam(lr, b1=outer.b1, b2=outer.b2, eps=outer.eps)
+  raise ValueError(f"outer optimizer name={name!r} is unknown")
 
 
 def with_step_counts(opt_state, step):

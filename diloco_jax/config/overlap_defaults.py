@@ -10,8 +10,9 @@ So each overlap mode has its own (learning rate, momentum) for outer
 Nesterov, measured by experiments/overlap_sweep.py (configs/study.py,
 3 seeds; eager's by experiments/eager_own_weight.py), used
 when a config leaves config.diloco.outer_optimizer.
-learning_rate or momentum unset (None). Values a config or flag sets are
-kept as they are.
+learning_rate or momentum unset (None). Values a config sets are kept as
+they are; on the command line, a config file's outer optimizer is its
+choice for its own overlap mode only (outer_choice.py).
 """
 
 import ml_collections

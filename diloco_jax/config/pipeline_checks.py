@@ -71,7 +71,8 @@ def _check_splits(config, problems: Problems) -> None:
         model.num_layers % (stages * repeats) == 0, "model.num_layers",
         f"config.model.num_layers={model.num_layers} does not split into "
         f"config.mesh.stage x repeats = {stages} x {repeats} chunks of "
-        "consecutive layers")
+        "consecutive layers (set --config.model.num_layers to a multiple "
+        f"of {stages * repeats})")
   if problems.ok("model.d_model"):
     problems.require(
         model.d_model % stages == 0, "model.d_model",
@@ -81,26 +82,45 @@ def _check_splits(config, problems: Problems) -> None:
 
 
 def _check_batches(config, problems: Problems) -> None:
-  """The batches cut into microbatches split over the 'data' devices."""
+  """The batches cut into pipeline microbatches (run_config.pipeline_rows:
+  per data.microbatches part and mesh.data device; per evaluated model).
+
+  A count of microbatches is a multiple of mesh.stage, so where stage
+  does not divide a batch's rows no count does, and the batch is refused;
+  otherwise the default count fits, and only a count set explicitly can
+  be refused, naming one that fits.
+  """
   if not problems.ok("data.batch_size", "data.microbatches", "mesh.data",
                      "eval.batch_size", "diloco.islands", "mode"):
     return
+  stages = config.mesh.stage
   microbatches = run_config.pipeline_microbatches(config)
-  parts = config.data.microbatches * microbatches * config.mesh.data
-  problems.require(
-      config.data.batch_size % parts == 0, "pipeline.microbatches",
-      f"config.data.batch_size={config.data.batch_size} (per island) is not "
-      "divisible by data.microbatches x pipeline microbatches x mesh.data = "
-      f"{config.data.microbatches} x {microbatches} x {config.mesh.data}")
-  # DiLoCo scores x on the whole eval batch; ddp and single score each
-  # island's share with its own params.
-  per_model = (config.eval.batch_size if config.mode == "diloco" else
-               config.eval.batch_size // run_config.effective_islands(config))
-  problems.require(
-      per_model % (microbatches * config.mesh.data) == 0, "eval.batch_size",
-      f"config.eval.batch_size={config.eval.batch_size} gives {per_model} "
-      "sequences per evaluated model, not divisible by pipeline "
-      f"microbatches x mesh.data = {microbatches} x {config.mesh.data}")
+  rows = run_config.pipeline_rows(config)
+  # The counts up to the one set that split both batches' rows.
+  fits = [count for count in range(stages, min(microbatches, *rows) + 1,
+                                   stages)
+          if all(r % count == 0 for r in rows)]
+  for field, per, row in zip(
+      ("data.batch_size", "eval.batch_size"),
+      ("island per data.microbatches part and mesh.data device",
+       "evaluated model and mesh.data device"), rows):
+    value = config[field.split(".")[0]].batch_size
+    if row % stages:
+      problems.require(
+          False, field,
+          f"config.{field}={value} gives {row} sequences per {per}, which "
+          f"no count of pipeline microbatches divides (a count is a "
+          f"multiple of config.mesh.stage={stages}: each stage scores the "
+          f"head of count / stage of them); set --config.{field} to a "
+          f"multiple of {stages * (value // row)}")
+    elif row % microbatches and config.pipeline.microbatches:
+      # (The default count fits whatever mesh.stage divides.)
+      problems.require(
+          False, "pipeline.microbatches",
+          f"config.pipeline.microbatches={microbatches} does not divide the "
+          f"{row} sequences per {per} (config.{field}={value}); set "
+          f"--config.pipeline.microbatches={fits[-1] if fits else stages}, "
+          "or 0 for the largest count up to 2 x mesh.stage that fits")
 
 
 def _check_composes(config, problems: Problems) -> None:

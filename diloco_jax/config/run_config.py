@@ -13,6 +13,7 @@ import dataclasses
 import ml_collections
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import participation as participation_lib
 from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.codecs import dense as dense_codecs
@@ -36,6 +37,8 @@ class RunConfig:
       None.
     data: config.data's settings.
     streaming: whether the run is Streaming DiLoCo.
+    outer_step: the outer step and why, for the log ('' outside DiLoCo;
+      outer_choice.describe).
   """
   config: ml_collections.FrozenConfigDict
   islands: int
@@ -45,6 +48,7 @@ class RunConfig:
   nan_island: tuple[int, int] | None
   data: data_settings.DataSettings
   streaming: bool
+  outer_step: str = ""
 
   @property
   def host_outer(self) -> bool:
@@ -52,8 +56,10 @@ class RunConfig:
     return self.config.diloco.outer_placement == "host"
 
 
-def build(config, data: data_settings.DataSettings) -> RunConfig:
-  """The RunConfig of a config validation has checked."""
+def build(config, data: data_settings.DataSettings,
+          outer_step: str = "") -> RunConfig:
+  """The RunConfig of a config validation has checked (`outer_step`: its
+  line for the log)."""
   frozen = ml_collections.FrozenConfigDict(config)
   islands = effective_islands(frozen)
   nan_island = frozen.testing.nan_island
@@ -64,7 +70,8 @@ def build(config, data: data_settings.DataSettings) -> RunConfig:
       schedule=schedule(frozen), participation=participation(frozen, islands),
       nan_island=(participation_lib.parse_nan_island(nan_island, islands)
                   if nan_island else None),
-      data=data, streaming=is_streaming(frozen.diloco))
+      data=data, streaming=is_streaming(frozen.diloco),
+      outer_step=outer_step)
 
 
 def effective_islands(config) -> int:
@@ -79,9 +86,36 @@ def devices_per_island(config) -> int:
 
 
 def pipeline_microbatches(config) -> int:
-  """M, the microbatches an island's pipeline runs per inner step
-  (config.pipeline.microbatches, or 2 x mesh.stage when it is 0)."""
-  return config.pipeline.microbatches or 2 * config.mesh.stage
+  """M, the microbatches an island's pipeline runs per inner step:
+  config.pipeline.microbatches, or where it is 0 the largest count up to
+  2 x mesh.stage that splits both pipeline_rows evenly.
+
+  A count is a multiple of mesh.stage (each stage scores the head of M /
+  stage of them), so the default is 2 x stage where that fits and stage
+  otherwise; where stage does not divide the rows either, no count does
+  (validation refuses the batch, naming it), and this gives 2 x stage.
+  """
+  if config.pipeline.microbatches:
+    return config.pipeline.microbatches
+  stages = config.mesh.stage
+  rows = pipeline_rows(config)
+  for count in (2 * stages, stages):
+    if all(r % count == 0 for r in rows):
+      return count
+  return 2 * stages
+
+
+def pipeline_rows(config) -> tuple[int, int]:
+  """The sequences a pipeline pass cuts into microbatches: (training:
+  the island's batch per data.microbatches part and mesh.data device,
+  evaluation: the batch per evaluated model and mesh.data device). DiLoCo
+  scores x on the whole eval batch; ddp and single score each island's
+  share with its own params."""
+  data = config.mesh.data
+  per_model = (config.eval.batch_size if config.mode == "diloco" else
+               config.eval.batch_size // effective_islands(config))
+  return (config.data.batch_size // (config.data.microbatches * data),
+          per_model // data)
 
 
 def pipeline_repeats(config) -> int:
@@ -134,6 +168,35 @@ def compression(diloco_config) -> compression_lib.Compression:
   return compression_lib.Compression(c.codec, fallback,
                                      prune_rate=c.prune_rate,
                                      topk_fraction=c.topk_fraction)
+
+
+def inner_optimizer(inner_config) -> optimizers.InnerSettings:
+  """The InnerSettings of config.inner_optimizer."""
+  muon = inner_config.muon
+  return _typed(optimizers.InnerSettings, inner_config,
+                muon=optimizers.MuonSettings(
+                    momentum=muon.momentum, ns_steps=muon.ns_steps,
+                    consistent_rms=muon.consistent_rms))
+
+
+def outer_optimizer(outer_config) -> optimizers.OuterSettings:
+  """The OuterSettings of config.diloco.outer_optimizer, once
+  overlap_defaults.resolve has filled in its unset fields (momentum may
+  stay unset, read as 0, for an optimizer without one)."""
+  if outer_config.learning_rate is None:
+    raise ValueError("config.diloco.outer_optimizer.learning_rate is unset; "
+                     "overlap_defaults.resolve(config) fills it in")
+  return _typed(optimizers.OuterSettings, outer_config,
+                momentum=outer_config.momentum or 0.0)
+
+
+def _typed(settings_class, section, **given):
+  """settings_class built from the section's fields of the same names,
+  with `given` in place of the section's."""
+  return settings_class(**{
+      field.name: given[field.name] if field.name in given
+      else section[field.name]
+      for field in dataclasses.fields(settings_class)})
 
 
 def keeps_residuals(diloco_config) -> bool:

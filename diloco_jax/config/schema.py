@@ -186,7 +186,10 @@ def _outer_optimizer() -> Section:
       "name": "nesterov",  # see OUTER_OPTIMIZERS
       # Unset (None): the overlap mode's default (config/overlap_defaults.py:
       # Nesterov 0.7 / 0.9 without overlap; a stale mean needs less
-      # momentum), filled in when the config is validated.
+      # momentum), filled in when the config is validated. A config
+      # file's outer optimizer holds for its own overlap mode: a flag that
+      # turns on another gives that mode's outer step unless the flags set
+      # this section too (config/outer_choice.py).
       "learning_rate": config_dict.placeholder(float),
       "momentum": config_dict.placeholder(float),  # nesterov / momentum
       "b1": 0.9,  # adam
@@ -246,8 +249,9 @@ def _pipeline() -> Section:
   (parallel/pipeline.py; used when config.mesh.stage > 1)."""
   return Section({
       # Microbatches per inner step (per gradient-accumulation part): a
-      # multiple of mesh.stage; 0: 2 x mesh.stage. More shrink the bubble
-      # (stage - 1) / (repeats x microbatches + stage - 1).
+      # multiple of mesh.stage; 0: the largest count up to 2 x mesh.stage
+      # that divides the batch (2 x stage, else stage). More shrink the
+      # bubble (stage - 1) / (repeats x microbatches + stage - 1).
       "microbatches": 0,
       # 'gpipe': every forward, then every backward; 'circular': each
       # stage holds `repeats` chunks of layers and a microbatch goes round

@@ -12,7 +12,9 @@ diloco_checks.py's.
 
 from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
+from diloco_jax.config import command_line as command_line_lib
 from diloco_jax.config import diloco_checks
+from diloco_jax.config import outer_choice
 from diloco_jax.config import outer_mode_checks
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import pipeline_checks
@@ -70,16 +72,24 @@ _FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
           "network.link_per_stage")
 
 
-def validate_config(config, num_devices: int) -> run_config.RunConfig:
+def validate_config(
+    config, num_devices: int,
+    command_line: command_line_lib.CommandLine | None = None
+) -> run_config.RunConfig:
   """The checked `config` as a RunConfig; ConfigError listing every problem.
 
-  The RunConfig holds `config` with unset defaults filled in
-  (overlap_defaults.resolve); `config` itself is not changed.
+  The RunConfig holds `config` with the outer settings its file made for
+  another overlap or outer optimizer set aside (outer_choice.choose) and
+  unset defaults filled in (overlap_defaults.resolve); `config` itself is
+  not changed.
 
   Args:
     config: a config built from `config_schema.base_config()`.
     num_devices: how many devices the mesh can be built from.
+    command_line: the config file and --config.* flags `config` was built
+      from (main.py's), or None for a config built in Python.
   """
+  config, outer_note = outer_choice.choose(config, command_line)
   outer = config.diloco.outer_optimizer
   set_outer = {"learning_rate": outer.learning_rate,
                "momentum": outer.momentum}
@@ -106,7 +116,9 @@ def validate_config(config, num_devices: int) -> run_config.RunConfig:
   outer_mode_checks.check(config, problems, set_outer)
   pipeline_checks.check(config, problems)
   problems.raise_if_any()
-  return run_config.build(config, data)
+  return run_config.build(
+      config, data,
+      outer_step=outer_choice.describe(config, set_outer, outer_note))
 
 
 def _check_mesh(config, num_devices: int, problems: Problems) -> None:

@@ -102,9 +102,10 @@ def for_config(config, islands: int | None = None,
       islands=(run_config_lib.effective_islands(config) if islands is None
                else islands),
       inner_opt=optimizers.inner_optimizer(
-          config.inner_optimizer, config.total_steps,
-          stage_axis=None if layout is None else STAGE),
-      outer_opt=optimizers.outer_optimizer(diloco.outer_optimizer),
+          run_config_lib.inner_optimizer(config.inner_optimizer),
+          config.total_steps, stage_axis=None if layout is None else STAGE),
+      outer_opt=optimizers.outer_optimizer(
+          run_config_lib.outer_optimizer(diloco.outer_optimizer)),
       compression=compression if mode == "diloco" else None,
       error_feedback=(mode == "diloco"
                       and run_config_lib.keeps_residuals(diloco)),

@@ -51,7 +51,8 @@ from diloco_jax.run import workdir as workdir_lib
 
 
 def train_and_evaluate(config, workdir: str, devices=None,
-                       launch_time: float | None = None) -> dict:
+                       launch_time: float | None = None,
+                       command_line=None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
 
   Rerunning with the same workdir resumes from the newest checkpoint; a run
@@ -67,6 +68,11 @@ def train_and_evaluate(config, workdir: str, devices=None,
       fits, each slot holding k / d islands.
     launch_time: time.time() when the process started, for `startup_s`
       (default: when this function was called).
+    command_line: the config file and --config.* flags `config` was built
+      from (main.py's config/command_line.CommandLine), so that what the
+      file chose for another overlap or outer optimizer than the flags ask
+      for is set aside (config/outer_choice.py); None: every field of
+      `config` is the caller's choice.
 
   Returns:
     The summary dict also written to `workdir/summary.json`.
@@ -81,6 +87,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
     stops.StopRequested: a signal stopped the run after saving.
   """
   launch_time = time.time() if launch_time is None else launch_time
+  workdir_lib.refuse_url(workdir)  # before the data is read
   devices = jax.devices() if devices is None else list(devices)
   outer_devices = None
   if config.diloco.get("outer_placement") == "host":
@@ -88,7 +95,10 @@ def train_and_evaluate(config, workdir: str, devices=None,
       devices, outer_devices = outer_devices_lib.split_devices(devices)
     except ValueError as e:
       raise validation.ConfigError(str(e)) from None
-  run_config = validation.validate_config(config, num_devices=len(devices))
+  run_config = validation.validate_config(config, num_devices=len(devices),
+                                          command_line=command_line)
+  if run_config.outer_step:
+    logging.info("%s", run_config.outer_step)
   setup_lib.check_processes(run_config, devices)
   source = _warm_start_source(run_config, workdir)
   # Reads the data: what cannot be read is reported before the workdir is
@@ -243,6 +253,21 @@ def _until_stopped(future: concurrent.futures.Future,
                                   saved=False) from None
 
 
+def _say_missing_metrics(start: start_lib.Start, workdir: str) -> None:
+  """Warns in one line if metrics.jsonl lacks records of steps before the
+  checkpoint resumed from (removed while no run held it): a resume does
+  not take those steps again, so the gap stays."""
+  source = start.progress.initialized_from  # the run's first step after it
+  first = (source or {}).get("step", 0) + 1
+  missing = metrics_lib.missing_steps(workdir, first, start.step)
+  if missing:
+    logging.warning(
+        "%s lacks the records of steps %s, before the checkpoint at step %d "
+        "this run resumes from; those steps are not taken again, so their "
+        "records stay missing", os.path.join(workdir, "metrics.jsonl"),
+        metrics_lib.describe_ranges(missing), start.step)
+
+
 def _prepare_workdir(setup: setup_lib.RunSetup, start: start_lib.Start,
                      workdir: str) -> None:
   """Waits for the start's state, drops the metrics logged after it, puts
@@ -256,6 +281,8 @@ def _prepare_workdir(setup: setup_lib.RunSetup, start: start_lib.Start,
   if dropped:
     logging.info("dropped %d metrics records logged after step %d; they are "
                  "taken again", dropped, start.step)
+  if start.restored:
+    _say_missing_metrics(start, workdir)
   resume.restore_data_positions(setup.data.batches, start.meta, setup.islands)
   if jax.process_index() == 0:
     metrics_lib.write_json_atomically(os.path.join(workdir, "config.json"),

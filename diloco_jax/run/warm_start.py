@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
@@ -106,7 +107,7 @@ def pretrain_config(config):
   pretrain.diloco.fragment_alpha = 0.0
   pretrain.diloco.outer_placement = "device"
   pretrain.inner_optimizer.schedule_steps = optimizers.schedule_length(
-      config.inner_optimizer, config.total_steps)
+      run_config.inner_optimizer(config.inner_optimizer), config.total_steps)
   return pretrain
 
 

@@ -1,7 +1,8 @@
 """The workdir: checked before anything is compiled, and held by one run.
 
 `claim(workdir)` is the first thing a run does with its workdir. It refuses
-an empty path, a path it cannot create or write, a workdir holding run
+an empty path, a path it cannot create or write (the workdir, or its
+checkpoints/ or tensorboard/ where they exist), a workdir holding run
 outputs that cannot be resumed, and a symlink where the run keeps one of
 its own files or directories (files.py); then it takes an advisory lock
 that lasts for the run's life. The lock is an `fcntl.flock` on
@@ -12,12 +13,19 @@ instead of interleaving its metrics and checkpoints with the first.
 
 A run that fails before writing any output leaves no trace: releasing the
 claim of a workdir it created removes the lock and the empty directories.
+
+The workdir is a local (or mounted) path: the lock, the metrics and the
+checkpoints are written through the operating system's files, so a URL
+(`gs://...`, `s3://...`) is refused (`refuse_url`) rather than becoming a
+local directory named `gs:`. A bucket is used mounted (gcsfuse, s3fs),
+with one run writing into a workdir at a time (BUILD.md).
 """
 
 import contextlib
 import errno
 import fcntl
 import os
+import re
 
 from diloco_jax.run import files
 
@@ -31,6 +39,19 @@ OWN_NAMES = (LOCK_FILE, *RUN_FILES, "config.json", "checkpoints",
 
 class WorkdirError(ValueError):
   """A workdir this run cannot use; the message names it and says why."""
+
+
+# scheme:// as in RFC 3986 (gs://, s3://, hdfs://, file://).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def refuse_url(workdir) -> None:
+  """Raises WorkdirError if `workdir` is a URL; creates nothing."""
+  if isinstance(workdir, str) and _URL.match(workdir.strip()):
+    raise WorkdirError(
+        f"--workdir={workdir} is a URL, but the run writes its workdir "
+        "through local files; mount the bucket (e.g. gcsfuse or s3fs) and "
+        "give the mounted path")
 
 
 class WorkdirLock:
@@ -120,7 +141,10 @@ class Claim:
     (only the lock and empty directories) is removed with it."""
     if self.lock is None:
       return
-    unused = self.created and _holds_no_output(self.workdir)
+    try:
+      unused = self.created and _holds_no_output(self.workdir)
+    except FileNotFoundError:  # removed under the run: nothing to remove
+      unused = False
     self.lock.release(remove=unused)
     if unused:
       for name in os.listdir(self.workdir):
@@ -146,6 +170,7 @@ def _check_path(workdir) -> tuple[str, bool]:
   if not isinstance(workdir, str) or not workdir.strip():
     raise WorkdirError(f"--workdir={workdir!r}: give a directory for the "
                        "run's outputs")
+  refuse_url(workdir)
   workdir = os.path.abspath(workdir)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f"--workdir={workdir} is a file, not a directory")
@@ -156,7 +181,8 @@ def _check_path(workdir) -> tuple[str, bool]:
     raise WorkdirError(f"--workdir={workdir}: cannot create it: "
                        f"{e.strerror}") from None
   # access(2) also answers for read-only file systems.
-  for path in (workdir, os.path.join(workdir, "checkpoints")):
+  for path in (workdir, *(os.path.join(workdir, name)
+                          for name in ("checkpoints", "tensorboard"))):
     if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
       raise WorkdirError(f"--workdir={workdir}: {path} is not writable ("
                          + os.strerror(_write_errno(path)) + ")")
@@ -204,9 +230,9 @@ def claim(workdir: str, lock: bool = True) -> Claim:
     when the process dies).
 
   Raises:
-    WorkdirError: the path is empty, not a directory, not writable, holds
-      outputs without checkpoints or a symlink where the run keeps its own
-      file, or another run holds the lock.
+    WorkdirError: the path is empty, a URL, not a directory, not writable,
+      holds outputs without checkpoints or a symlink where the run keeps its
+      own file, or another run holds the lock.
   """
   workdir, created = _check_path(workdir)
   try:
