@@ -2,8 +2,10 @@
 
 Sequence length 1024, a 32,000-token SentencePiece vocabulary, batch 512 per
 worker, inner AdamW lr 4e-4 with 1,000 warmup steps and weight decay 0.1,
-outer Nesterov lr 0.7 momentum 0.9, 8 workers, H=500, 88k steps.
-The C4 data path (config.data.path) is required.
+outer Nesterov lr 0.7 momentum 0.9, 8 workers, H=500, 88k steps of which
+the first 24k pretrain one worker (then 128 rounds). The C4 data path
+(config.data.path) and a SentencePiece model (config.data.tokenizer_path)
+are required; docs/c4.md gets both.
 """
 
 from diloco_jax.config import schema as config_schema
@@ -15,6 +17,9 @@ def c4_config(num_layers: int, d_model: int, num_heads: int, head_dim: int,
   config = config_schema.base_config()
   config.mode = "diloco"
   config.total_steps = 88_000
+  # The paper's protocol: DiLoCo and its baselines all start from one model
+  # pretrained as a single worker for 24k steps (128 rounds of H=500 follow).
+  config.pretrain_steps = 24_000
   config.diloco.islands = 8
   config.diloco.inner_steps = 500
 

@@ -7,13 +7,16 @@ import pathlib
 import ml_collections
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
+from configs import tiny
 from tests import helpers
 from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import settings as data_settings
 from diloco_jax.data import sources
 from diloco_jax.data import tokenizer as tokenizer_lib
+from diloco_jax.run import train
 
 EOS = tokenizer_lib.ByteTokenizer.eos_id
 
@@ -204,11 +207,9 @@ def test_build_corpus_refuses_the_streamed_corpus(tmp_path):
     corpus_lib.build_corpus(_data_config(path=str(tmp_path)))
 
 
-# TFDS, without network: a tiny dataset prepared locally by a TFDS builder
-# (array_record, read by tfds.data_source: no TensorFlow needed), and "c4/en"
-# itself under tfds.testing.mock_data.
-
-tfds = pytest.importorskip("tensorflow_datasets")
+# TFDS, without network: tiny datasets prepared locally by TFDS builders
+# (array_record, read by tfds.data_source: no TensorFlow needed), one of them
+# laid out as "c4/en" itself, and "c4/en" under tfds.testing.mock_data.
 
 
 class TinyC4Test(tfds.core.GeneratorBasedBuilder):
@@ -291,6 +292,65 @@ def test_tfds_c4_name_under_mock_data():
   with tfds.testing.mock_data(num_examples=8):
     source = sources.make_batch_source(config, 2, 1, seed=0)
     assert source.next_batch().shape == (2, 1, 16)
+
+
+class C4OnDisk(TinyC4Test, skip_registration=True):
+  """TFDS's "c4/en" as `tfds build c4/en` leaves it in a data_dir (its
+  name, config, version and text feature; array_record files under
+  c4/en/3.1.0/), holding a few documents. Not registered: TFDS reads it by
+  the metadata in the data_dir, or through its own C4 builder once that is
+  imported (the mock_data test imports it), as it reads a real C4."""
+
+  name = "c4"
+  VERSION = tfds.core.Version("3.1.0")
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="en")]
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing is downloaded
+    return {"train": self._generate_examples("c", 60),
+            "validation": self._generate_examples("w", 40)}
+
+
+@pytest.fixture(scope="module")
+def c4_data_dir(tmp_path_factory) -> str:
+  data_dir = tmp_path_factory.mktemp("tfds_c4")
+  C4OnDisk(config="en", data_dir=str(data_dir),
+           file_format="array_record").download_and_prepare()
+  assert (data_dir / "c4" / "en" / "3.1.0" / "dataset_info.json").exists()
+  return str(data_dir)
+
+
+def test_c4_en_prepared_on_disk_is_read_as_a_run_reads_it(c4_data_dir,
+                                                         tmp_path):
+  data = {"data.corpus": "c4", "data.tfds_name": "c4/en",
+          "data.path": c4_data_dir}
+  config = helpers.with_overrides(tiny.get_config(), {
+      **data, "model.vocab_size": 257, "total_steps": 4,
+      "eval.num_batches": 1})
+  # The batches the run's data setup makes: train documents only, each
+  # island its own, and the eval set the validation split's.
+  source = sources.make_batch_source(config.data, num_islands=2,
+                                     batch_size=4, seed=config.data.seed)
+  batches = np.stack([source.next_batch() for _ in range(4)])
+  island_documents = [
+      set(_decoded_documents(batches[:, island].ravel())[1:-1])
+      for island in range(2)]
+  train_documents = {_document("c", index) for index in range(60)}
+  for documents in island_documents:
+    assert documents and documents <= train_documents
+  assert not island_documents[0] & island_documents[1]
+  evaluation = sources.make_eval_batches(config.data, batch_size=8,
+                                         num_batches=1)
+  eval_documents = _decoded_documents(evaluation.ravel())[1:-1]
+  assert eval_documents and set(eval_documents) <= {
+      _document("w", index) for index in range(40)}
+  # And a run on it, configured as a user configures one.
+  summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["corpus"] == "c4"
+  assert summary["tokens_seen"] == (
+      config.total_steps * config.diloco.islands * config.data.batch_size
+      * config.data.sequence_length)
+  assert np.isfinite(summary["final_eval_loss"])
 
 
 def test_tfds_missing_dataset_names_the_field(tmp_path):

@@ -7,6 +7,7 @@ import sys
 
 import ml_collections
 import pytest
+import sentencepiece as spm
 
 from tests import helpers
 from diloco_jax.data import c4_files
@@ -138,7 +139,6 @@ def test_a_shard_that_is_not_gzip_fails_when_the_source_is_built(tmp_path):
 @pytest.fixture(scope="module")
 def model_bytes(tmp_path_factory) -> bytes:
   """A real, tiny SentencePiece model (vocab 60)."""
-  spm = pytest.importorskip("sentencepiece")
   directory = tmp_path_factory.mktemp("spm")
   corpus = directory / "train.txt"
   corpus.write_text("\n".join(f"The river ran past the mill in spring {i}. "

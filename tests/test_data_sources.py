@@ -6,6 +6,7 @@ import pathlib
 import ml_collections
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 from tests import helpers
 from diloco_jax.data import clustering
@@ -14,8 +15,6 @@ from diloco_jax.data import in_memory_batches as streams
 from diloco_jax.data import settings as data_settings
 from diloco_jax.data import sources
 from diloco_jax.data import tokenizer as tokenizer_lib
-
-spm = pytest.importorskip("sentencepiece")
 
 
 def _data_config(**overrides) -> ml_collections.ConfigDict:

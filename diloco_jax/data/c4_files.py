@@ -9,7 +9,8 @@ For data on Google Cloud Storage, copy the shards to local disk
 (`gsutil -m cp`) or mount the bucket with gcsfuse: shards are read with plain
 file I/O, and gzip files are read from their start.
 """
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+import contextlib
 import gzip
 import json
 import pathlib
@@ -22,6 +23,11 @@ from diloco_jax.data import text_files
 SHARD_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 # C4 names its held-out files "c4-validation.*": such names pick the split.
 VALIDATION_MARKER = "validation"
+# Lines of every shard parsed before a run compiles (check_first_lines): a
+# shard of another format fails at its first line. 100 lines of C4's size
+# (~2.2 kB each) took 7 ms a shard on a loaded 2-core machine, so all 1,032
+# shards of C4's English split are checked in seconds.
+CHECKED_LINES = 100
 
 
 def is_shard(relative_path: str) -> bool:
@@ -149,6 +155,26 @@ def read_texts(path: pathlib.Path, start_line: int = 0
     text = _document_text(path, line_number + 1, line)
     if text:
       yield line_number, text
+
+
+def check_first_lines(paths: Sequence[pathlib.Path],
+                      lines: int = CHECKED_LINES) -> None:
+  """Parses the first `lines` lines of every shard; DataError naming
+  path:line (counted from 1) at the first that is unreadable or holds no
+  "text" string.
+
+  Shards are read lazily, shard by shard, as the islands reach them: a
+  shard of the wrong format (or damaged at its start) that only a later
+  island or epoch reaches would otherwise stop the run hours in. A line
+  damaged further in is found when it is read.
+  """
+  for path in paths:
+    with contextlib.closing(_numbered_lines(path)) as numbered:
+      for line_number, line in numbered:
+        if line_number >= lines:
+          break
+        if line.strip():
+          _document_text(path, line_number + 1, line)
 
 
 class ShardFiles:

@@ -177,14 +177,21 @@ def _cached_corpus(data_config: settings_lib.DataSettings
 
 
 def _c4_documents(data_config, split: str, min_shards: int):
-  """The train or validation documents of the c4 corpus."""
+  """The train or validation documents of the c4 corpus.
+
+  The first lines of every JSON-lines shard of the split are parsed here,
+  so a malformed shard fails before anything compiles, whichever island
+  or epoch would reach it.
+  """
   tfds_name = data_config.tfds_name
   if tfds_name:
     return tfds_documents.TfdsRecords(tfds_name, data_config.path, split,
                                       min_shards=min_shards)
   train, validation = c4_files.split_shards(data_config.path,
                                             data_config.validation_fraction)
-  return c4_files.ShardFiles(train if split == "train" else validation)
+  paths = train if split == "train" else validation
+  c4_files.check_first_lines(paths)
+  return c4_files.ShardFiles(paths)
 
 
 def _c4_name(data_config) -> str:

@@ -2,7 +2,8 @@
 
 `build_tokenizer(config.data)` is the one constructor the pipeline uses:
 config.data.tokenizer = "byte" (default) | "sentencepiece", the latter with
-config.data.tokenizer_path naming a `.model` file (e.g. the T5 C4 vocabulary).
+config.data.tokenizer_path naming a `.model` file (the T5 C4 vocabulary, or
+one train_tokenizer.py trains on the corpus).
 Token ids are uint16 everywhere in the pipeline, so vocabularies must fit it.
 """
 import numpy as np
@@ -109,7 +110,9 @@ def build_tokenizer(data_config) -> Tokenizer:
   if not path:
     raise errors.DataError(
         "config.data.tokenizer_path is required for "
-        "config.data.tokenizer='sentencepiece' (a .model file)")
+        "config.data.tokenizer='sentencepiece' (a .model file: train one "
+        "on your shards with python -m diloco_jax.data.train_tokenizer "
+        "--path=SHARDS, see docs/c4.md)")
   try:
     return SentencePieceTokenizer(path)
   except ImportError as error:
