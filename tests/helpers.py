@@ -1,7 +1,9 @@
 """Small shared builders for the tests."""
 
 import functools
+import os
 import re
+import struct
 import time
 
 import jax
@@ -165,13 +167,19 @@ def wrap_inner_step(monkeypatch, wrapper):
   monkeypatch.setattr(programs_lib, "compile_programs", compile_programs)
 
 
-def check_islands_leave_the_outer_step_at_x(codec, atol: float,
+def check_islands_leave_the_outer_step_at_x(codec, half_step: float,
                                             islands: int = 4):
-  """One outer step through `codec`: every island ends at the new x, which
-  lies within `atol` of the islands' exact average. Returns the compiled
-  step's HLO text (to check what crossed the link)."""
+  """One outer step through `codec` (outer SGD lr 1: x becomes the mean):
+  every island ends at the new x, bit for bit, and x lies within the
+  codec's rounding of the islands' exact average. `half_step` is the
+  codec's largest rounding error as a fraction of its block's absmax
+  (int8: 1/254); each island's weighted pseudo-gradient is rounded once
+  and their sum once more, each block's absmax at most the largest value
+  sent. Returns the compiled step's HLO text (to check what crossed the
+  link)."""
   state, outer, weights = state_after_one_inner_step(islands, codec)
   hlo = outer.lower(state, weights).compile().as_text()
+  x_before = jax.device_get(state.global_params)
   y = jax.device_get(state.island_params)
   state = outer(state, weights)
   new_y = jax.device_get(state.island_params)
@@ -180,7 +188,16 @@ def check_islands_leave_the_outer_step_at_x(codec, atol: float,
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[i], b),
                  new_y, x)
   exact = jax.tree.map(lambda a: a.mean(axis=0), y)
-  assert_trees_close(x, exact, rtol=0, atol=atol)
+  largest = lambda tree: max(float(np.abs(leaf).max())
+                             for leaf in jax.tree.leaves(tree))
+  sent = sum(largest(jax.tree.map(lambda b, a: (b - a[i]) / islands,
+                                  x_before, y)) for i in range(islands))
+  first = half_step * sent
+  mean = largest(jax.tree.map(np.subtract, x_before, exact))
+  # x = x_before - mean rounds to x's float32 spacing.
+  bound = first + half_step * (mean + first) + float(
+      np.spacing(np.float32(largest(x))))
+  assert_trees_close(x, exact, rtol=0, atol=bound)
   return hlo
 
 
@@ -194,3 +211,28 @@ def wait_for(predicate, process, timeout=240):
     time.sleep(0.01)
   raise AssertionError("the run ended or timed out first: "
                        + process.communicate()[1][-2000:])
+
+
+def tensorboard_points(workdir: str, tag: str) -> dict:
+  """{step: value} as TensorBoard shows `tag` in workdir/tensorboard: a
+  SessionLog START at step s (a resumed run's purge) hides the points at s
+  and after that were written before it."""
+  # pylint: disable-next=g-import-not-at-top
+  from tensorboardX.proto import event_pb2
+  points = {}
+  directory = os.path.join(workdir, "tensorboard")
+  for name in sorted(os.listdir(directory)):  # TensorBoard's order
+    with open(os.path.join(directory, name), "rb") as f:
+      data = f.read()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack("<Q", data[offset:offset + 8])
+      event = event_pb2.Event.FromString(
+          data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      if event.session_log.status == event_pb2.SessionLog.START:
+        points = {s: v for s, v in points.items() if s < event.step}
+      for value in event.summary.value:
+        if value.tag == tag:
+          points[event.step] = value.simple_value
+  return points

@@ -9,6 +9,7 @@ must exit on their own go to real `python -m diloco_jax.main` processes
 under a timeout.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -71,15 +73,39 @@ def _copy(finished, tmp_path, name="run"):
 def _mount(*args):
   result = subprocess.run(["mount", *args], capture_output=True, text=True,
                           check=False)
+  assert result.returncode == 0, result.stderr
+
+
+def _require_mount(tmp_path):
+  """Skips, before anything is started, where mount(8) cannot make a file
+  system (not root): a tiny tmpfs is mounted and unmounted to find out."""
+  probe = tmp_path / "mount_probe"
+  probe.mkdir()
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                           str(probe)], capture_output=True, text=True,
+                          check=False)
   if result.returncode:
     pytest.skip("needs root and mount(8) to make a real read-only or full "
                 f"file system: {result.stderr.strip()}")
+  subprocess.run(["umount", str(probe)], check=True)
 
 
-def _assert_stopped_in_one_line(process, workdir, reason, started):
-  _, err = process.communicate(timeout=120)
+def _stop(process):
+  if process.poll() is None:
+    process.kill()
+  process.communicate()
+
+
+# A bound on the stop that only a hang exceeds: on a loaded 2-core machine
+# the failed save alone can take seconds to fail, and the whole stop tens of
+# seconds (measured: 37 s from the full disk to the exit, the run niced
+# beside three busy processes).
+_STOP_TIMEOUT_S = 240
+
+
+def _assert_stopped_in_one_line(process, workdir, reason):
+  _, err = process.communicate(timeout=_STOP_TIMEOUT_S)
   assert process.returncode == 1, err[-3000:]
-  assert time.time() - started < 60  # bounded: it never hangs
   last = err.strip().splitlines()[-1]
   assert last.startswith("error: cannot write "), last
   assert last.endswith(reason) and workdir in last, last
@@ -90,76 +116,109 @@ def _assert_no_temporary_dirs(workdir):
   assert all(name.isdigit() for name in names), names
 
 
+# The reruns save only at round ends (checkpoint settings may change on
+# resume): a save per step would make them minutes long on a loaded machine.
+_RERUN_SAVES = "--config.checkpoint.every_steps=0"
+
+
 def test_a_read_only_checkpoint_directory_stops_the_run_in_one_line(
     tmp_path):
+  _require_mount(tmp_path)
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
   process = _main(workdir, "--config.total_steps=60",
                   "--config.checkpoint.every_steps=1")
-  helpers.wait_for(lambda: os.path.isdir(checkpoints) and _steps(workdir),
-                   process)
-  _mount("--bind", checkpoints, checkpoints)
+  mounted = False
   try:
+    helpers.wait_for(lambda: os.path.isdir(checkpoints) and _steps(workdir),
+                     process)
+    _mount("--bind", checkpoints, checkpoints)
+    mounted = True
     _mount("-o", "remount,ro,bind", checkpoints)
-    started = time.time()
     saved = _steps(workdir)
-    _assert_stopped_in_one_line(process, workdir, "Read-only file system",
-                                started)
+    _assert_stopped_in_one_line(process, workdir, "Read-only file system")
     assert _steps(workdir) == saved  # nothing written, nothing lost
     # A new run is refused at once, before it compiles.
     with pytest.raises(workdir_lib.WorkdirError,
                        match=r"checkpoints is not writable \(Read-only"):
       workdir_lib.claim(workdir)
   finally:
-    process.kill()
-    process.wait()
-    # Lazily: a file still open must not keep the mount behind the test.
-    subprocess.run(["umount", "-l", checkpoints], check=False)
+    _stop(process)
+    if mounted:  # lazily: a file still open must not keep the mount
+      subprocess.run(["umount", "-l", checkpoints], check=False)
   workdir_lib.claim(workdir).release()  # the lock was released
   # The last good checkpoint is where the rerun goes on from (a save cut
   # short on the read-only disk could not be removed: orbax removes it).
-  rerun = _main(workdir, "--config.total_steps=60",
-                "--config.checkpoint.every_steps=1")
+  rerun = _main(workdir, "--config.total_steps=60", _RERUN_SAVES)
   _, err = rerun.communicate(timeout=300)
   assert rerun.returncode == 0, err[-3000:]
   assert f"resuming from the checkpoint at step {saved[-1]}" in err
   _assert_no_temporary_dirs(workdir)
 
 
+def _fill(descriptor):
+  """Writes to `descriptor` until its file system is full."""
+  chunk = b"\0" * (64 << 10)
+  try:
+    while True:
+      os.write(descriptor, chunk)  # a short write takes the last bytes
+  except OSError as error:
+    if error.errno != errno.ENOSPC:
+      raise
+
+
+def _keep_full(path, process):
+  """Fills the file system of `path` and keeps it full while `process`
+  runs: what the run frees (max_to_keep removing an old checkpoint) is
+  taken back at once. Filled once, a fill that landed between a save and
+  that removal (the test's process is slow on a loaded machine) would
+  leave the next save its room, and the run could go on."""
+  descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+  _fill(descriptor)
+  def keep():
+    try:
+      while process.poll() is None:
+        _fill(descriptor)
+        time.sleep(0.005)
+    finally:
+      os.close(descriptor)
+  thread = threading.Thread(target=keep, daemon=True)
+  thread.start()
+  return thread
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_frees_the_partial_save(
     tmp_path):
+  _require_mount(tmp_path)
   disk = str(tmp_path / "disk")
   os.makedirs(disk)
   _mount("-t", "tmpfs", "-o", "size=8m", "tmpfs", disk)
+  processes = []
   try:
     workdir = os.path.join(disk, "run")
     process = _main(workdir, "--config.total_steps=200",
                     "--config.checkpoint.every_steps=1",
                     "--config.checkpoint.max_to_keep=2")
+    processes.append(process)
     helpers.wait_for(
         lambda: os.path.isdir(os.path.join(workdir, "checkpoints"))
         and _steps(workdir), process)
-    try:  # fill the disk
-      with open(os.path.join(disk, "filler"), "wb") as f:
-        while True:
-          f.write(b"\0" * (64 << 10))
-          f.flush()
-    except OSError:
-      pass
-    started = time.time()
-    _assert_stopped_in_one_line(process, workdir, "No space left on device",
-                                started)
+    keeping = _keep_full(os.path.join(disk, "filler"), process)
+    _assert_stopped_in_one_line(process, workdir, "No space left on device")
+    keeping.join()
     _assert_no_temporary_dirs(workdir)  # the partial save freed at once
     os.remove(os.path.join(disk, "filler"))
     workdir_lib.claim(workdir).release()  # the lock was released
     newest = _steps(workdir)[-1]
     rerun = _main(workdir, "--config.total_steps=200",
-                  "--config.checkpoint.every_steps=1",
-                  "--config.checkpoint.max_to_keep=2")
+                  "--config.checkpoint.max_to_keep=2", _RERUN_SAVES)
+    processes.append(rerun)
     _, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err[-3000:]
     assert f"resuming from the checkpoint at step {newest}" in err
   finally:
+    for started in processes:
+      _stop(started)
     subprocess.run(["umount", "-l", disk], check=False)
 
 
@@ -275,7 +334,7 @@ def test_temporary_files_are_never_opened_by_a_predictable_name(tmp_path):
     ("diloco.outer_optimizer.b2", 1.0, "must be a number in [0, 1)"),
     ("diloco.outer_optimizer.learning_rate", -0.7, "must be a number > 0"),
     ("model.rope_base", 0.0, "must be a number > 0"),
-    ("seed", -1, "must be an integer in [0, "),
+    ("seed", -1, f"must be an integer in [0, {2**31 - 1:g}]"),  # int32
     ("log_every_seconds", -5.0, "must be a number >= 0"),
 ])
 def test_a_bad_setting_is_one_line_and_creates_nothing(tmp_path, field, value,
@@ -283,9 +342,7 @@ def test_a_bad_setting_is_one_line_and_creates_nothing(tmp_path, field, value,
   workdir = tmp_path / "run"
   with pytest.raises(validation.ConfigError) as error:
     train.train_and_evaluate(_config(**{field: value}), str(workdir))
-  assert str(error.value) == f"config.{field}={value!r} {message}" or (
-      str(error.value).startswith(f"config.{field}={value!r} {message}"))
-  assert "\n" not in str(error.value)
+  assert str(error.value) == f"config.{field}={value!r} {message}"
   assert not workdir.exists()
 
 
@@ -348,14 +405,24 @@ def test_a_run_resumed_at_its_end_keeps_its_throughput_and_network_figures(
   after = train.train_and_evaluate(_config(), workdir)
   assert after["resumed_from_step"] == 8
   assert set(before) <= set(after)  # the network model's fields included
-  for field in ("tokens_per_s", "model_flops_per_s"):
-    assert after[field] > 0
-  # The same records timed both (all but the first step's, whose time
-  # started with the loop).
-  steps, tokens, seconds = records.timed_steps(
-      metrics_lib.read_metrics(workdir))
-  assert after["timed_steps"] == steps == 7
+  # The one attempt's records timed steps 2..8 (step 1's time started with
+  # the loop): 7 steps of islands x batch x L tokens each, in the time
+  # between step 1's record and step 8's.
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    elapsed = {r["step"]: r["elapsed_s"] for r in map(json.loads, f)}
+  config = _config()
+  tokens = 7 * (config.diloco.islands * config.data.batch_size
+                * config.data.sequence_length)
+  seconds = elapsed[8] - elapsed[1]
+  assert after["timed_steps"] == 7
   assert after["tokens_per_s"] == pytest.approx(tokens / seconds)
+  assert after["model_flops_per_token"] == before["model_flops_per_token"]
+  assert after["model_flops_per_s"] == pytest.approx(
+      before["model_flops_per_token"] * tokens / seconds)
+  assert after["network_step_time_s"] == pytest.approx(seconds / 7)
+  for field in ("network_sync_bytes", "network_bandwidth_bits_per_s",
+                "network_latency_s"):
+    assert after[field] == before[field]
 
 
 def test_timed_steps_counts_each_attempt_from_its_own_clock():
@@ -431,15 +498,23 @@ def test_sigterm_while_compiling_exits_within_seconds(tmp_path):
   env = {k: v for k, v in ENV.items() if not k.startswith("JAX_")}
   process = _main(workdir, "--config.model.num_layers=12",
                   "--config.model.remat=true", env=env)
-  lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
-  helpers.wait_for(
-      lambda: os.path.exists(lock) and open(lock).read().strip(), process)
-  time.sleep(0.5)  # into the compile
-  started = time.time()
-  process.send_signal(signal.SIGTERM)
-  _, err = process.communicate(timeout=120)
+  # The run writes config.json once the state is initialized and the
+  # programs' compile has started (in the background): the signal lands in
+  # that compile, not in the setup before it.
+  try:
+    helpers.wait_for(
+        lambda: os.path.exists(os.path.join(workdir, "config.json")),
+        process)
+    started = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+  finally:
+    _stop(process)
   assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert err.strip().splitlines()[-1] == (
       "stopped by SIGTERM: no step was taken, nothing to save")
-  assert time.time() - started < 5
   assert "compiled in" not in err  # it did not wait for the compile
+  # Far less than the compile would take (minutes on a loaded 2-core
+  # machine: 239 s measured, where reaching config.json took 96 s), with
+  # slack for the exit itself under that load (up to 5.2 s measured).
+  assert time.time() - started < 30

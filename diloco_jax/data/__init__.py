@@ -9,8 +9,13 @@ Modules, one concern each:
 - embedded: the default, network-free corpus (the Python standard library).
 - synthetic: a Markov-chain corpus with a known entropy rate, for tests.
 - file_split: the deterministic train/validation split by file name.
-- text_files: resolving `config.data.path` to a sorted list of files.
+- text_files: resolving `config.data.path` to a sorted list of files;
+  files that are not UTF-8 text are refused.
 - c4_files: C4's JSON-lines shards (.json/.jsonl, maybe gzipped) and split.
+- c4_download: fetching C4's shards from the public allenai/c4 dataset
+  (`python -m diloco_jax.data.c4_download`).
+- train_tokenizer: a SentencePiece model trained on the first megabytes of
+  the shards, cached beside them (`python -m diloco_jax.data.train_tokenizer`).
 - tfds_documents: a TFDS split (e.g. "c4/en") read as virtual shards.
 - packing: documents -> fixed-length sequences separated by EOS.
 - in_memory_batches: island batches of an in-memory corpus, a pure function

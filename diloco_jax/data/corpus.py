@@ -195,6 +195,7 @@ def _synthetic_documents(data_config) -> _Documents:
 
 def _text_files_documents(data_config) -> _Documents:
   root, relative_paths = text_files.resolve_text_files(data_config.path)
+  text_files.check_text(root, relative_paths, data_config.path)
   name = f"text_files ({data_config.path})"
   if len(relative_paths) == 1:
     return _Documents(

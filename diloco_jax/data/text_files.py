@@ -1,9 +1,16 @@
-"""Resolving `config.data.path` to the text files of a corpus."""
+"""Resolving `config.data.path` to the text files of a corpus, and
+refusing files that are not text."""
+import codecs
 import glob
 import os
 import pathlib
 
+from diloco_jax.data import errors
+
 _GLOB_CHARACTERS = frozenset("*?[")
+# How much of each file is read to tell text from binary (as git and
+# grep do, a block from the start).
+_PROBE_BYTES = 8192
 
 
 def is_glob(path: str) -> bool:
@@ -57,3 +64,50 @@ def path_problem(path: str) -> str | None:
       return None
     return f"no files match {path!r}"
   return f"{path!r} does not exist"
+
+
+def not_text_reason(head: bytes) -> str | None:
+  """Why a file starting with `head` is not UTF-8 text (None: it is).
+
+  A NUL byte or a sequence that is not UTF-8 (ASCII is UTF-8) marks a
+  binary file, or text in another encoding; a character cut at the end
+  of `head` is allowed.
+  """
+  nul = head.find(b"\0")
+  if nul >= 0:
+    return f"a NUL byte at offset {nul}"
+  try:
+    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+  except UnicodeDecodeError as e:
+    return f"byte 0x{head[e.start]:02x} at offset {e.start} is not UTF-8"
+  return None
+
+
+def check_text(root: pathlib.Path, relative_paths: list[str],
+               path: str) -> None:
+  """Raises DataError naming the first of the files that is not text.
+
+  Reads the first 8 KiB of each; a file that cannot be read is left to
+  the reader.
+
+  Args:
+    root, relative_paths: the files, as resolve_text_files gives them.
+    path: config.data.path, for the message.
+  """
+  refused = []
+  for relative in relative_paths:
+    try:
+      with open(root / relative, "rb") as f:
+        reason = not_text_reason(f.read(_PROBE_BYTES))
+    except OSError:
+      continue
+    if reason:
+      refused.append((relative, reason))
+  if refused:
+    relative, reason = refused[0]
+    more = (f" (and {len(refused) - 1} more of the {len(relative_paths)} "
+            "files)" if len(refused) > 1 else "")
+    raise errors.DataError(
+        f"config.data.path={path!r}: {root / relative} is not UTF-8 text "
+        f"({reason}){more}; corpus 'text_files' reads plain text files: "
+        "give a file, directory or glob of text only (e.g. DIR/**/*.txt)")

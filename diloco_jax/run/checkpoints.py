@@ -14,14 +14,16 @@ restoring recomputes them, so a checkpoint whose bytes changed on disk is
 set aside like an unreadable one.
 
 A save that fails for want of storage (a read-only file system, a full
-disk, a quota) raises files.StorageError naming the directory and the
-reason; `abandon` then removes what the failed save left half-written.
+disk, a quota, a directory removed under it) raises files.StorageError
+naming the directory and the reason; `abandon` then removes what the
+failed save left half-written.
 When checkpoints exist but none reads back, restoring raises
 UnreadableCheckpointsError rather than letting the run start over.
 """
 
 import contextlib
 import dataclasses
+import errno
 import glob
 import hashlib
 import json
@@ -34,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 
 from diloco_jax.algorithm import guards
@@ -153,9 +156,14 @@ class Checkpointer:
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
-      if files.os_reason(e) is None:
+      reason = files.os_reason(e)
+      if reason is None and not os.path.isdir(self.directory):
+        # Removed under the run: whatever tensorstore says of it then.
+        reason = os.strerror(errno.ENOENT)
+      if reason is None:
         raise  # not a storage failure: a bug to see whole
-      raise files.storage_error("checkpoints in", self.directory, e) from e
+      raise files.StorageError(f"cannot write checkpoints in "
+                               f"{self.directory}: {reason}") from e
 
   def abandon(self, wait_s: float = 5.0) -> None:
     """After a StorageError: removes the temporary directories of saves
@@ -163,11 +171,13 @@ class Checkpointer:
     better freed now). Finalized checkpoints are untouched.
 
     The failed save's threads get `wait_s` to give up first (else they
-    would write again into what was removed). While one still runs, what
-    it writes is removed again every 0.2 s, for up to `wait_s` more; a
-    thread stuck longer is abandoned, never waited for. (orbax's helper
-    threads can outlive the save they served by a moment: a sweep that
-    found something is repeated until one finds nothing.)
+    would write again into what was removed). orbax's helper threads
+    (writing arrays, shardings, metadata) outlive the save that failed
+    before them, by seconds on a loaded machine, and recreate its
+    directory: while one still runs, what they write is removed again
+    every 0.2 s, for up to `wait_s` more; a thread stuck longer is
+    abandoned, never waited for. A sweep that found something is repeated
+    until one finds nothing.
     """
     if self._read_only or jax.process_index() != 0:
       return
@@ -175,10 +185,14 @@ class Checkpointer:
     waiter.start()
     waiter.join(wait_s)
     give_up = time.monotonic() + wait_s
-    while self._remove_temporary_dirs() or waiter.is_alive():
-      if time.monotonic() > give_up:
+    while True:
+      removed = self._remove_temporary_dirs()
+      running = [thread for thread in (waiter, *_orbax_threads())
+                 if thread.is_alive()]
+      if not (removed or running) or time.monotonic() > give_up:
         return
-      waiter.join(0.2)
+      if running:  # (orbax's threads re-raise their error on join)
+        time.sleep(0.2)
 
   def _remove_temporary_dirs(self) -> bool:
     """Removes unfinished saves' directories; True if it removed any (one
@@ -235,8 +249,11 @@ class Checkpointer:
     after reading; (abstract_state, None) when there are none."""
     if not dataclasses.is_dataclass(abstract_state):
       return abstract_state, None
-    saved = set(ocp.StandardCheckpointer().metadata(
-        os.path.join(self.directory, str(step), STATE)).item_metadata.keys())
+    # The item's own tree metadata, read by its handler: a Checkpointer's
+    # metadata() would look for a step's _CHECKPOINT_METADATA inside the
+    # item and warn "Metadata file does not exist" on every resume.
+    saved = set(ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / STATE).keys())
     fields = [f.name for f in dataclasses.fields(abstract_state)]
     absent = [name for name in fields if name not in saved
               and getattr(abstract_state, name) is None]
@@ -333,6 +350,13 @@ class Checkpointer:
     """Waits for the last save (StorageError if it failed) and closes."""
     self.wait()
     self._manager.close()
+
+
+def _orbax_threads() -> list[threading.Thread]:
+  """The threads orbax started for its saves that are still running (its
+  own Thread subclasses: the finalize and helper threads)."""
+  return [thread for thread in threading.enumerate()
+          if type(thread).__module__.startswith("orbax.")]
 
 
 class IncompatibleCheckpointError(ValueError):

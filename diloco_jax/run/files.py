@@ -10,6 +10,12 @@ a file appended to or locked is opened with O_NOFOLLOW. A symlink where the
 run expects its own file is refused (UnsafeFileError), so nothing outside
 the workdir is ever written or truncated.
 
+A file the run appends to for its whole life (metrics.jsonl, TensorBoard's
+events) is an `AppendedFile`: before each write it checks that its path
+still names the file it holds open. One removed (or replaced) meanwhile is
+written again from the open copy, with one warning line, so no record is
+lost; where it cannot be (its directory is gone), that is a failed write.
+
 An OSError of any write (a read-only file system, a full disk, a quota, a
 permission) becomes a StorageError: one line naming the path and the
 operating system's reason.
@@ -20,6 +26,8 @@ import errno
 import os
 import re
 import tempfile
+
+from absl import logging
 
 
 class UnsafeFileError(ValueError):
@@ -45,7 +53,10 @@ def os_reason(error: BaseException) -> str | None:
   (None: `error` is not an OS error).
 
   Looks through the exception and its causes for an OSError, then for the
-  errno that tensorstore (orbax's writer) reports in its messages.
+  errno that tensorstore (orbax's writer) reports in its messages. A
+  tensorstore NOT_FOUND status carries no errno: it says a file or
+  directory being written is gone (removed under the run), which is
+  ENOENT.
   """
   seen, visited = error, set()
   while seen is not None and id(seen) not in visited:
@@ -55,6 +66,8 @@ def os_reason(error: BaseException) -> str | None:
     code = re.search(r"os_error_code='?(\d+)", str(seen))
     if code:
       return os.strerror(int(code.group(1)))
+    if str(seen).startswith("NOT_FOUND: "):
+      return os.strerror(errno.ENOENT)
     seen = seen.__cause__ or seen.__context__
   return None
 
@@ -71,13 +84,15 @@ def storage_error(what: str, path: str, error: BaseException) -> StorageError:
                       f"{os_reason(error) or first_line(error)}")
 
 
-def write_atomically(path: str, text: str) -> None:
-  """Replaces `path` with `text`: a reader (or a crash) sees the old file
-  or the new one, never part of one.
+def write_atomically(path: str, text: str | bytes,
+                     what: str = "file") -> None:
+  """Replaces `path` with `text` (str or bytes): a reader (or a crash)
+  sees the old file or the new one, never part of one.
 
   Raises:
     UnsafeFileError: `path` is a symlink.
-    StorageError: the write failed (the old file, if any, is untouched).
+    StorageError: the write failed (the old file, if any, is untouched);
+      its message calls the file `what`.
   """
   refuse_symlink(path)
   directory, name = os.path.split(path)
@@ -85,7 +100,7 @@ def write_atomically(path: str, text: str) -> None:
   try:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp",
                                dir=directory)
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
@@ -93,29 +108,117 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
     tmp = None
   except OSError as e:
-    raise storage_error("file", path, e) from None
+    raise storage_error(what, path, e) from None
   finally:
     if tmp is not None:
       with contextlib.suppress(OSError):
         os.remove(tmp)
 
 
-def open_append(path: str):
-  """`path` opened to append text, created if missing, never through a
-  symlink.
+class AppendedFile:
+  """A file the run appends to while it runs, never through a symlink,
+  and kept whole if it is removed or replaced meanwhile.
 
-  Raises:
-    UnsafeFileError: `path` is a symlink.
-    StorageError: it cannot be opened for writing.
+  Each `append` reaches the operating system at once (no buffer to lose or
+  to fail later). Before each, the path is checked to still name the file
+  held open: a file removed (`rm metrics.jsonl`) or replaced under the run
+  is written again at its path from the open copy, which holds every
+  record, and the run says so in one line. A file that cannot be written
+  (its directory is gone, the disk is full) raises StorageError.
   """
-  try:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                 0o644)
-  except OSError as e:
-    if e.errno == errno.ELOOP:
-      refuse_symlink(path)
-    raise storage_error("file", path, e) from None
-  return os.fdopen(fd, "a")
+
+  def __init__(self, path: str, what: str, exclusive: bool = False,
+               remake_directory: bool = False, sentinel: str | None = None):
+    """Opens `path` to append, creating it if missing.
+
+    Args:
+      path: the file.
+      what: what it holds, for messages (e.g. "metrics").
+      exclusive: refuse a file that exists already (FileExistsError).
+      remake_directory: a removed parent directory is made again (one
+        level only: a removed workdir is never made again).
+      sentinel: a file (the workdir's run.lock) whose absence means the
+        file was removed with its whole workdir: it is then not written
+        again (StorageError), so a run never brings back, file by file,
+        a workdir being removed.
+
+    Raises:
+      UnsafeFileError: `path` is a symlink.
+      StorageError: it cannot be opened for writing.
+    """
+    self.path, self._what = path, what
+    self._remake_directory, self._sentinel = remake_directory, sentinel
+    self._fd = self._open(exclusive)
+
+  def _open(self, exclusive: bool) -> int:
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+    try:
+      return os.open(self.path, flags | (os.O_EXCL if exclusive else 0),
+                     0o644)
+    except FileExistsError:
+      raise  # only with O_EXCL: the caller picks another name
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        refuse_symlink(self.path)
+      raise storage_error(self._what, self.path, e) from None
+
+  def append(self, data: bytes) -> None:
+    """Writes `data` at the end of the file.
+
+    Raises:
+      StorageError: it cannot be written, or written again after it was
+        removed.
+      UnsafeFileError: a symlink replaced it.
+    """
+    if not self._holds_path():
+      self._restore()
+    try:
+      while data:
+        data = data[os.write(self._fd, data):]
+    except OSError as e:
+      raise storage_error(self._what, self.path, e) from None
+
+  def _holds_path(self) -> bool:
+    """Whether the path still names the file held open: it exists, and
+    the file held has a name (a link count, 0 once removed or replaced by
+    a rename). Inode numbers are not compared: some FUSE mounts of
+    buckets do not keep them stable."""
+    try:
+      os.stat(self.path, follow_symlinks=False)
+    except FileNotFoundError:
+      return False
+    except OSError as e:
+      raise storage_error(self._what, self.path, e) from None
+    return os.fstat(self._fd).st_nlink > 0
+
+  def _restore(self) -> None:
+    """Writes the open copy at the path again and appends there from now
+    on."""
+    if self._sentinel and not os.path.exists(self._sentinel):
+      raise StorageError(
+          f"cannot write {self._what} {self.path}: it was removed, and "
+          f"{self._sentinel} with it (the workdir is being removed)")
+    size = os.fstat(self._fd).st_size
+    data = os.pread(self._fd, size, 0) if size else b""
+    while len(data) < size:  # pread may return less than asked
+      more = os.pread(self._fd, size - len(data), len(data))
+      if not more:
+        break
+      data += more
+    if self._remake_directory:
+      with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.mkdir(os.path.dirname(self.path))
+    write_atomically(self.path, data, what=self._what)
+    os.close(self._fd)
+    self._fd = self._open(exclusive=False)
+    logging.warning("%s was removed or replaced while the run wrote it; "
+                    "wrote it again from the run's open copy (%d bytes): "
+                    "nothing is lost", self.path, len(data))
+
+  def close(self) -> None:
+    if self._fd is not None:
+      fd, self._fd = self._fd, None
+      os.close(fd)
 
 
 def open_no_follow(path: str) -> int:

@@ -21,6 +21,7 @@ from absl import logging
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
 from diloco_jax.run import overlap_watch
@@ -114,7 +115,8 @@ class TrainingLoop:
     self._records = step_records.StepRecords(writer, signals,
                                              config.mode == "diloco")
     self._learning_rates = optimizers.learning_rate_table(
-        config.inner_optimizer, config.total_steps)
+        run_config_lib.inner_optimizer(config.inner_optimizer),
+        config.total_steps)
     self._tokens_per_island_step = (config.data.batch_size
                                     * config.data.sequence_length)
     # What every checkpoint saves beside the state.
@@ -280,8 +282,8 @@ class TrainingLoop:
         [self._programs.evaluate(state, b) for b in self._eval_arrays])))
 
   def save(self, step: int) -> None:
-    """Starts saving the state after `step` (metrics up to it first)."""
-    self._writer.flush()
+    """Starts saving the state after `step` (its metrics record, written
+    first, is on disk already: the writer writes each record at once)."""
     setup = self._setup
     self._checkpointer.save(step, setup.whole(self.state), {
         **self.progress.to_meta(), "step": step,

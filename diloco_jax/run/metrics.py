@@ -3,6 +3,13 @@
 Only process 0 writes, so a multi-host run produces one set of files. JSON
 has no NaN or inf, so such values are written as null: every line of
 metrics.jsonl and every summary parses with any JSON reader.
+
+Both files are written in the loop's thread, each record at once
+(files.AppendedFile): a write that fails stops the run with one line
+(files.StorageError), and a file removed while the run writes it is
+written again whole. A resumed run says in one line which steps before its
+checkpoint metrics.jsonl lacks (`missing_steps`): they are not taken
+again.
 """
 
 import json
@@ -14,6 +21,7 @@ import jax
 from absl import logging
 
 from diloco_jax.run import files
+from diloco_jax.run import workdir as workdir_lib
 
 
 def _is_writer() -> bool:
@@ -52,7 +60,7 @@ class MetricsWriter:
   every `log_every_seconds`, and always for evaluation steps. A run that
   starts again from step s (a resume, a rollback) has its points after s
   dropped: metrics.jsonl is cut, and TensorBoard is told to purge them
-  (tensorboardX's purge_step), so each step has one point.
+  (event_files.py), so each step has one point.
   """
 
   def __init__(self, workdir: str, total_steps: int,
@@ -70,8 +78,22 @@ class MetricsWriter:
     self._workdir = workdir
     self._path = os.path.join(workdir, "metrics.jsonl")
     if _is_writer():
-      self._jsonl = files.open_append(self._path)
-      self._tensorboard = _tensorboard_writer(workdir, start_step)
+      self._open(start_step)
+
+  def _open(self, start_step: int) -> None:
+    # A file removed with the whole workdir (its lock gone too) is not
+    # written again: the run stops instead.
+    lock = os.path.join(self._workdir, workdir_lib.LOCK_FILE)
+    sentinel = lock if os.path.exists(lock) else None
+    self._jsonl = files.AppendedFile(self._path, "metrics",
+                                     sentinel=sentinel)
+    try:
+      self._tensorboard = _tensorboard_writer(self._workdir, start_step,
+                                              sentinel)
+    except BaseException:
+      self._jsonl.close()
+      self._jsonl = None
+      raise
 
   def start_clock(self, tokens_seen: int = 0, step: int = 0) -> None:
     """Marks the start of timed training (after compilation), at `step`
@@ -88,14 +110,11 @@ class MetricsWriter:
     """Writes one step's record (must hold 'step', 'round', 'tokens_seen')."""
     if self._jsonl is not None:
       line = json.dumps(json_safe(record), sort_keys=True, allow_nan=False)
-      try:
-        self._jsonl.write(line + "\n")
-      except OSError as e:
-        raise files.storage_error("metrics", self._path, e) from None
-      for key, value in record.items():
-        if (key != "step" and isinstance(value, (int, float))
-            and math.isfinite(value)):
-          self._tensorboard.add_scalar(key, value, record["step"])
+      self._jsonl.append((line + "\n").encode())
+      self._tensorboard.add_scalars(record["step"], {
+          key: float(value) for key, value in record.items()
+          if key != "step" and isinstance(value, (int, float))
+          and math.isfinite(value)})
       self._maybe_log(record)  # one progress line per run, not per process
 
   def truncate(self, last_step: int) -> None:
@@ -103,8 +122,7 @@ class MetricsWriter:
     if self._jsonl is not None:
       self.close()
       truncate_metrics(self._workdir, last_step)
-      self._jsonl = files.open_append(self._path)
-      self._tensorboard = _tensorboard_writer(self._workdir, last_step)
+      self._open(last_step)
 
   def _maybe_log(self, record: dict) -> None:
     now = time.perf_counter()
@@ -132,35 +150,25 @@ class MetricsWriter:
     line += f" tok/s {rate:,.0f} ETA {_format_duration(eta)}"
     logging.info(line)
 
-  def flush(self) -> None:
-    """Puts what was written on disk (StorageError if it cannot be)."""
-    if self._jsonl is not None:
-      try:
-        self._jsonl.flush()
-      except OSError as e:
-        raise files.storage_error("metrics", self._path, e) from None
-      self._tensorboard.flush()
-
   def close(self) -> None:
     if self._jsonl is not None:
       jsonl, self._jsonl = self._jsonl, None
       self._tensorboard.close()
       self._tensorboard = None
-      try:
-        jsonl.close()
-      except OSError as e:
-        raise files.storage_error("metrics", self._path, e) from None
+      jsonl.close()
 
 
-def _tensorboard_writer(workdir: str, start_step: int):
-  """TensorBoard's writer for a run going on from `start_step`: points of
-  later steps, left by an earlier attempt, are purged (a first start too:
-  an attempt killed before its first checkpoint left points)."""
+def _tensorboard_writer(workdir: str, start_step: int,
+                        sentinel: str | None):
+  """TensorBoard's event file for a run going on from `start_step`: points
+  of later steps, left by an earlier attempt, are purged (a first start
+  too: an attempt killed before its first checkpoint left points)."""
   # Imported here so that reading metrics (tests, notebooks) does not need
   # TensorBoard's protobuf stack.
-  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-  return SummaryWriter(os.path.join(workdir, "tensorboard"),
-                       purge_step=start_step + 1)
+  # pylint: disable-next=g-import-not-at-top
+  from diloco_jax.run import event_files
+  return event_files.EventFile(os.path.join(workdir, "tensorboard"),
+                               purge_step=start_step + 1, sentinel=sentinel)
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -216,3 +224,25 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
   if dropped:
     files.write_atomically(path, "".join(kept))
   return dropped
+
+
+def missing_steps(workdir: str, first: int, last: int) -> list[tuple[int, int]]:
+  """The steps first..last that workdir/metrics.jsonl holds no record of,
+  as (start, end) ranges; [] on processes that do not write it."""
+  if not _is_writer() or last < first:
+    return []
+  logged = {record.get("step") for record in read_metrics(workdir)}
+  ranges = []
+  for step in range(first, last + 1):
+    if step in logged:
+      continue
+    if ranges and ranges[-1][1] == step - 1:
+      ranges[-1] = (ranges[-1][0], step)
+    else:
+      ranges.append((step, step))
+  return ranges
+
+
+def describe_ranges(ranges: list[tuple[int, int]]) -> str:
+  """'1-32, 40' for [(1, 32), (40, 40)]."""
+  return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
