@@ -251,9 +251,13 @@ def test_training_on_1_and_4_devices_gives_the_same_metrics(tmp_path):
         devices=jax.devices()[:d])
     metrics[d] = _read(workdir, "metrics.jsonl")
   assert summaries[1]["comm_bytes"] == summaries[4]["comm_bytes"] > 0
-  for a, b in zip(metrics[1], metrics[4]):
+  steps = list(range(1, summaries[1]["total_steps"] + 1))
+  assert [a["step"] for a in metrics[1]] == [b["step"] for b in metrics[4]]
+  assert [a["step"] for a in metrics[1]] == steps
+  for a, b in zip(metrics[1], metrics[4], strict=True):
     assert a["comm_bytes"] == b["comm_bytes"]
     assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    assert ("eval_loss" in a) == ("eval_loss" in b)
     assert a.get("eval_loss", 0) == pytest.approx(b.get("eval_loss", 0),
                                                   rel=1e-4)
 
@@ -281,7 +285,7 @@ def test_resume_on_another_placement(tmp_path, before, after):
     return
   # The same islands and data on another placement: rounding differences
   # only (see the module docstring).
-  for a, b in zip(records, _read(whole, "metrics.jsonl")):
+  for a, b in zip(records, _read(whole, "metrics.jsonl"), strict=True):
     assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
     assert a["comm_bytes"] == b["comm_bytes"]
   assert summary["final_eval_loss"] == pytest.approx(

@@ -21,16 +21,19 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import pipeline as pipeline_config
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.analysis import link_bytes
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.config import run_config
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
@@ -248,9 +251,19 @@ def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
   helpers.assert_trees_close(test_checkpoint._final_state(workdir),
                              test_checkpoint._final_state(reference),
                              rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
-  for a, b in zip(test_checkpoint._metrics(workdir),
-                  test_checkpoint._metrics(reference)):
+  records = test_checkpoint._metrics(workdir)
+  reference_records = test_checkpoint._metrics(reference)
+  # Both runs wrote every step once, and their evals at the same steps:
+  # the pairwise comparison below then covers every record.
+  steps = list(range(1, reference_summary["total_steps"] + 1))
+  assert [r["step"] for r in reference_records] == steps
+  assert [r["step"] for r in records] == steps
+  for a, b in zip(records, reference_records, strict=True):
     assert a["train_loss"] == pytest.approx(b["train_loss"], rel=LOSS_RTOL)
+    assert ("eval_loss" in a) == ("eval_loss" in b), a["step"]
+    if "eval_loss" in b:
+      assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=LOSS_RTOL)
+  assert summary["total_steps"] == reference_summary["total_steps"]
   assert summary["final_eval_loss"] == pytest.approx(
       reference_summary["final_eval_loss"], rel=LOSS_RTOL)
   if name == "diloco":
@@ -344,23 +357,75 @@ def test_a_checkpoint_reads_back_exactly_at_another_stage_count(runs):
       np.testing.assert_array_equal(np.asarray(a), b, err_msg=name)
 
 
+def _factored_steps(workdir, config):
+  """What one round moved each factored matrix by (x after it minus x at
+  initialization), [stages, rows, cols] in the codec state's order (the
+  leaves of a stage's params of rank >= 2, as init_codec_state orders
+  them), and the bases the checkpoint keeps for them, [stages, cols, r]."""
+  saved = test_checkpoint._final_state(workdir)
+  initial = jax.jit(lambda seed: model_lib.new_params(config.model, seed))(
+      config.seed)
+  moved = jax.tree.unflatten(jax.tree.structure(initial), [
+      np.asarray(after) - np.asarray(before) for after, before in zip(
+          jax.tree.leaves(saved["global_params"]),
+          jax.tree.leaves(initial), strict=True)])
+  layout = run_config.stage_layout(config)
+  if layout is None:
+    steps = [m[None] for m in jax.tree.leaves(moved) if m.ndim >= 2]
+  else:
+    steps = [np.asarray(m) for m in jax.tree.leaves(
+        layout.split_params(moved)) if m.ndim >= 3]
+  bases = [np.asarray(entry["basis"]).reshape(
+      (len(steps[0]),) + entry["basis"].shape[-2:])
+           for entry in saved["codec_state"]]
+  assert len(steps) == len(bases)
+  return saved, steps, bases
+
+
 def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
-  """Adaptive low rank with error feedback on two stages: every stage
-  factors its own matrices (its bases and ranks in the checkpoint, stacked
-  by stage), the residuals are the params' shape, and it sends a fraction
-  of fp32's bytes."""
+  """Adaptive low rank with error feedback, one round on two stages and on
+  one. Every stage factors its own matrices, with its own bases and ranks
+  in the checkpoint (stacked by stage): each matrix's outer step, whose
+  rows are spanned by the round's coefficients, lies in the span of the
+  next basis its own stage kept (lowrank.next_basis), as each layer's does
+  on one stage; another stage's basis leaves most of it outside. The
+  residuals are the params' shape, and the run sends and learns as the
+  one-stage run does, up to the per-stage cut of the embedding and of the
+  codec's blocks."""
   overrides = {"diloco.codec": "adaptive_lowrank",
                "diloco.lowrank.min_rank": 2, "diloco.lowrank.max_rank": 8,
                "diloco.error_feedback": True, "total_steps": 4}
-  workdir = str(tmp_path / "lowrank")
-  summary = train.train_and_evaluate(_config(2, **overrides), workdir)
-  state = test_checkpoint._final_state(workdir)
-  assert all(entry["basis"].shape[0] == 2 and entry["basis"].ndim == 3
-             for entry in state["codec_state"])
-  assert ([r.shape for r in jax.tree.leaves(state["residuals"])]
-          == [y.shape for y in jax.tree.leaves(state["island_params"])])
-  assert np.isfinite(summary["final_eval_loss"])
-  assert summary["compression_vs_fp32"] > 4
+  summaries = {}
+  for stages in (1, 2):
+    config = _config(stages, **overrides)
+    workdir = str(tmp_path / f"lowrank_{stages}")
+    summaries[stages] = train.train_and_evaluate(config, workdir)
+    state, steps, bases = _factored_steps(workdir, config)
+    for step, basis in zip(steps, bases, strict=True):
+      assert basis.shape[0] == stages
+      for stage in range(stages):
+        rows = step[stage].reshape(-1, basis.shape[1])
+        # The part of the step outside a basis's span, relative to it.
+        outside = lambda b, rows=rows: float(
+            np.abs(rows - rows @ b @ b.T).max() / np.abs(rows).max())
+        # x's float32 rounding (6e-8 at |x| ~ 1) is ~5e-5 of a step of
+        # ~1e-3 (measured); a basis of another matrix leaves 60-130% out.
+        assert outside(basis[stage]) <= 1e-3, (stage, outside(basis[stage]))
+        if stages > 1:
+          other = outside(basis[1 - stage])
+          assert other > 0.1, ("the other stage's basis holds it", other)
+    assert all(np.size(entry["rank_index"]) == stages
+               for entry in state["codec_state"])
+    assert ([r.shape for r in jax.tree.leaves(state["residuals"])]
+            == [y.shape for y in jax.tree.leaves(state["island_params"])])
+  one, two = summaries[1], summaries[2]
+  assert two["compression_vs_fp32"] > 4
+  # Padding per stage and the embedding's two pieces: +1.9% measured.
+  assert two["comm_bytes"] == pytest.approx(one["comm_bytes"], rel=0.03)
+  # Other starting bases for the second stage's layers, another int4
+  # block layout for the vectors: 7e-4 apart, measured.
+  assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"],
+                                                 abs=0.003)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -370,7 +435,8 @@ def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
     ({"pipeline.repeats": 2}, "is the circular schedule's"),
     ({"pipeline.schedule": "circular"}, "needs pipeline.repeats >= 2"),
     ({"pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b' is not one"),
-    ({"data.batch_size": 6}, "not divisible by data.microbatches x pipeline"),
+    # No count of microbatches (a multiple of 2) divides 7 sequences.
+    ({"data.batch_size": 7}, "no count of pipeline microbatches divides"),
     ({"diloco.outer_placement": "host"}, "outer_placement='host' gathers"),
     ({"diloco.fragments": 2}, "Streaming DiLoCo) are not implemented"),
     ({"mesh.stage": 1, "pipeline.repeats": 2},
@@ -385,6 +451,27 @@ def test_what_stages_cannot_do_is_one_line_naming_both_settings(
 
 
 def test_the_example_config_runs_two_stages():
-  config = pipeline_config.get_config()
-  assert config.mesh.stage == 2
-  validation.validate_config(config, 8)
+  """configs/pipeline.py's first inner step, as its run builds and takes it
+  (4 islands x 2 stages on 8 devices, the embedded corpus, the default
+  pipeline microbatches): each island's loss and gradient norm are those
+  of the plain model (one stage) on that island's first batch, to the
+  reassociation of the module docstring."""
+  setup = setup_lib.build(
+      validation.validate_config(pipeline_config.get_config(), 8),
+      jax.devices())
+  config = setup.config
+  assert setup.mesh.shape[STAGE] == 2 and setup.islands == 4
+  state = start_lib.first_start(setup, None).state
+  params = jax.device_get(state.global_params)  # logical: one stage's
+  batch = setup.data.batches.next_batch()
+  inner_step = inner_step_lib.make_inner_step(
+      setup.loss_fn, setup.spec.inner_opt, setup.mesh,
+      microbatches=config.data.microbatches, fsdp=config.mesh.fsdp)
+  _, metrics = inner_step(setup.islands_side(state), setup.place_batch(batch))
+  loss_fn = functools.partial(model_lib.next_token_loss,
+                              model_lib.graphdef(config.model))
+  losses, grads = jax.jit(jax.vmap(jax.value_and_grad(loss_fn),
+                                   in_axes=(None, 0)))(params, batch)
+  norms = jax.vmap(optax.tree.norm)(grads)
+  np.testing.assert_allclose(metrics["loss"], losses, rtol=LOSS_RTOL)
+  np.testing.assert_allclose(metrics["grad_norm"], norms, rtol=1e-5)

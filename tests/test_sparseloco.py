@@ -5,6 +5,7 @@ Per island: e <- beta e + d; s = Q(TopK(e)) chunk by chunk; e <- e - s;
 then x <- x - alpha * (weighted mean of the islands' s).
 """
 
+import json
 import math
 
 import jax
@@ -34,15 +35,15 @@ def _compression(bits):
       feedback_decay=BETA)
 
 
-def _numpy_payload(e, bits):
+def _numpy_payload(e, bits, chunk_size=CHUNK, density=DENSITY):
   """What one island sends of its buffer `e` (one leaf), in numpy: the
-  leaf in equal chunks of at most CHUNK values, each chunk's largest
-  magnitudes on a grid of 2**(bits-1) levels between the smallest and
-  largest kept, rounded to the nearest."""
+  leaf in equal chunks of at most `chunk_size` values, each chunk's
+  `density` largest magnitudes on a grid of 2**(bits-1) levels between
+  the smallest and largest kept, rounded to the nearest."""
   flat = e.reshape(-1).astype(np.float32)
   n = flat.size
-  chunk = math.ceil(n / math.ceil(n / CHUNK))
-  keep = max(1, min(chunk, round(chunk * DENSITY)))
+  chunk = math.ceil(n / math.ceil(n / chunk_size))
+  keep = max(1, min(chunk, round(chunk * density)))
   rows = np.pad(flat, (0, -n % chunk)).reshape(-1, chunk)
   sent = np.zeros_like(rows)
   for row, out in zip(rows, sent):
@@ -130,3 +131,26 @@ def test_a_quick_run_trains_and_counts_its_bytes(tmp_path):
   fp32 = compression_lib.mean_bytes(shapes, islands,
                                     compression_lib.as_compression(None))
   assert summary["comm_bytes"] * 50 < rounds * fp32
+
+
+def test_a_run_learns_through_its_sparse_payloads(tmp_path):
+  """configs/tiny.py with SparseLoCo's defaults (2% of each chunk, 2 bits,
+  beta 0.95, alpha 1), 8 rounds of H = 2 at an inner learning rate that
+  learns in 16 steps: x, which moves only by the islands' payloads,
+  scores 0.13 nats below the untrained model's loss (measured; 0.07
+  asked), and every round's eval is below the first's. A payload of
+  zeros leaves x where it started (the first step's loss)."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = helpers.with_overrides(tiny.get_config(), {
+      "diloco.outer_optimizer.name": "sparseloco", "total_steps": 16,
+      "diloco.inner_steps": 2, "inner_optimizer.learning_rate": 1e-2})
+  workdir = tmp_path / "sparseloco"
+  summary = train.train_and_evaluate(config, str(workdir))
+  with open(workdir / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  untrained = records[0]["train_loss"]  # before the first update
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  assert len(evals) == 8 and evals[-1] == summary["final_eval_loss"]
+  assert summary["final_eval_loss"] < untrained - 0.07
+  assert max(evals[1:]) < evals[0]
+  assert summary["compression_vs_fp32"] > 50  # through its own codec

@@ -84,9 +84,34 @@ def test_each_study_runs_quick_and_writes_json_png_and_table(module,
     assert finished == len(seeds)
   if study.report is not None:  # e.g. the overlaps' utilization
     assert study.report(results) in table
-  reference = next(row for row in results["points"]
-                   if row["name"] == study.reference)
-  assert reference["perplexity_change_vs_reference"]["mean"] == 0.0
+  # Each point against its reference, from the summaries the runs wrote:
+  # the perplexity change, seed by seed, and the table's figure.
+  final_losses = {row["name"]: {run["seed"]: _summary(run)["final_eval_loss"]
+                                for run in row["runs"]
+                                if run["status"] == "done"}
+                  for row in results["points"]}
+  changes = []
+  for row in results["points"]:
+    reference = final_losses[row["reference"]]
+    paired = [math.exp(loss - reference[seed]) - 1
+              for seed, loss in final_losses[row["name"]].items()
+              if seed in reference]
+    change = row["perplexity_change_vs_reference"]["mean"]
+    if not paired:  # every seed diverged
+      assert change is None
+      continue
+    assert change == pytest.approx(sum(paired) / len(paired), abs=1e-12)
+    if row["name"] != row["reference"]:
+      assert f"{100 * change:+.2f}%" in table
+      changes.append(change)
+  # The points differ: some change is not 0 (a change taken against the
+  # point itself would be exactly 0 everywhere).
+  assert any(change != 0 for change in changes)
+
+
+def _summary(run: dict) -> dict:
+  with open(os.path.join(run["workdir"], "summary.json")) as f:
+    return json.load(f)
 
 
 def test_a_study_resumes_without_rerunning_finished_runs(tmp_path):

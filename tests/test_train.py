@@ -37,6 +37,8 @@ def test_each_mode_trains_and_writes_outputs(mode, islands, tmp_path):
   config = tiny.get_config()
   config.mode = mode
   config.diloco.islands = islands
+  # tiny's 4e-4 moves the loss by ~0.01 in its 8 steps; 1e-2 learns.
+  config.inner_optimizer.learning_rate = 1e-2
   workdir = str(tmp_path / mode)
   summary = train.train_and_evaluate(config, workdir)
 
@@ -47,7 +49,10 @@ def test_each_mode_trains_and_writes_outputs(mode, islands, tmp_path):
   evals = [r for r in records if "eval_loss" in r]
   h = config.diloco.inner_steps
   assert [r["step"] for r in evals] == list(range(h, config.total_steps + 1, h))
-  assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5
+  # It learns: the second eval 0.06-0.09 below the first, and 0.17-0.22
+  # below the untrained model's loss (its first step's), measured.
+  assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.03
+  assert evals[-1]["eval_loss"] < records[0]["train_loss"] - 0.1
   # The islands' plain average is scored only when asked for.
   assert not any("eval_loss_island_mean" in r for r in evals)
 
