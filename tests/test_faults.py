@@ -71,8 +71,18 @@ def _copy(finished, tmp_path, name="run"):
 
 
 def _mount(*args):
-  result = subprocess.run(["mount", *args], capture_output=True, text=True,
-                          check=False)
+  """mount(8) with `args`. A remount read-only is refused while a file in
+  the mount is open for writing ("mount point is busy"), which a run that
+  saves every step holds most of the time: it is tried again until it
+  lands between two writes."""
+  deadline = time.monotonic() + 60
+  while True:
+    result = subprocess.run(["mount", *args], capture_output=True, text=True,
+                            check=False)
+    if ("busy" not in result.stderr or result.returncode == 0
+        or time.monotonic() > deadline):
+      break
+    time.sleep(0.01)
   assert result.returncode == 0, result.stderr
 
 
