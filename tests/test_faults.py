@@ -14,14 +14,12 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from tensorboardX.proto import event_pb2
 
 from configs import tiny
 from diloco_jax.config import validation
@@ -460,31 +458,6 @@ def test_the_eta_after_a_resume_counts_the_steps_taken_since(tmp_path,
   assert caplog.records[-1].getMessage().endswith("ETA 6m00s")
 
 
-def _tensorboard_points(workdir, tag):
-  """{step: value} as TensorBoard shows `tag`: a SessionLog START at step s
-  (tensorboardX's purge_step) hides the points at s and after that were
-  written before it."""
-  points = {}
-  directory = os.path.join(workdir, "tensorboard")
-  for name in sorted(os.listdir(directory),
-                     key=lambda n: os.path.getmtime(os.path.join(directory,
-                                                                 n))):
-    with open(os.path.join(directory, name), "rb") as f:
-      data = f.read()
-    offset = 0
-    while offset < len(data):
-      (length,) = struct.unpack("<Q", data[offset:offset + 8])
-      event = event_pb2.Event.FromString(
-          data[offset + 12:offset + 12 + length])
-      offset += 12 + length + 4
-      if event.session_log.status == event_pb2.SessionLog.START:
-        points = {s: v for s, v in points.items() if s < event.step}
-      for value in event.summary.value:
-        if value.tag == tag:
-          points[event.step] = value.simple_value
-  return points
-
-
 def test_tensorboard_drops_the_points_a_resumed_run_takes_again(finished,
                                                                 tmp_path):
   workdir = _copy(finished, tmp_path)
@@ -494,7 +467,7 @@ def test_tensorboard_drops_the_points_a_resumed_run_takes_again(finished,
   train.train_and_evaluate(_config(), workdir)
   losses = {r["step"]: r["train_loss"]
             for r in metrics_lib.read_metrics(workdir)}
-  points = _tensorboard_points(workdir, "train_loss")
+  points = helpers.tensorboard_points(workdir, "train_loss")
   assert sorted(points) == list(range(1, 9))
   assert points == pytest.approx(losses)
 

@@ -184,12 +184,9 @@ def _outer_optimizer() -> Section:
   """config.diloco.outer_optimizer: the step on x once per round."""
   return Section({
       "name": "nesterov",  # see OUTER_OPTIMIZERS
-      # Unset (None): the overlap mode's default (config/overlap_defaults.py:
-      # Nesterov 0.7 / 0.9 without overlap; a stale mean needs less
-      # momentum), filled in when the config is validated. A config
-      # file's outer optimizer holds for its own overlap mode: a flag that
-      # turns on another gives that mode's outer step unless the flags set
-      # this section too (config/outer_choice.py).
+      # Unset (None): the overlap mode's default, filled in by validation
+      # (config/overlap_defaults.py); a config file's choice holds for its
+      # own overlap mode (config/outer_choice.py).
       "learning_rate": config_dict.placeholder(float),
       "momentum": config_dict.placeholder(float),  # nesterov / momentum
       "b1": 0.9,  # adam
