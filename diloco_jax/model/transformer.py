@@ -20,6 +20,8 @@ import ml_collections
 import optax
 from flax import nnx
 
+from diloco_jax.model import embedding
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPES = tuple(_DTYPES)  # config.model.dtype and param_dtype
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -211,7 +213,11 @@ class TransformerLM(nnx.Module):
     if tokens.shape[-1] > self.max_sequence_length:
       raise ValueError(f"sequence length {tokens.shape[-1]} exceeds "
                        f"max_sequence_length {self.max_sequence_length}")
-    return self.embed(tokens)
+    # Not self.embed(tokens): its gradient is a scatter-add in the compute
+    # dtype, whose cost grows with how often tokens repeat (embedding.py).
+    embedding_table = self.embed.embedding[...]
+    return embedding.take_rows(embedding_table, tokens,
+                               self.embed.dtype or embedding_table.dtype)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """The last block's output [B, L, d_model] -> float32 logits [B, L, V]."""

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import evaluation as evaluation_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import overlap as overlap_lib
@@ -39,6 +40,7 @@ class Programs(NamedTuple):
   evaluate_island_mean: Any  # config.eval.island_mean: (state, batches)
   consensus: Any  # eager updates: the islands' average point, to evaluate
   inspect_state: Any  # integrity.inspect_state, checked before each save
+  check_islands: Any  # guards.islands_finite, at each sync
   compile_s: float
 
 
@@ -97,6 +99,7 @@ def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
       merges=syncs.get("merges"), evaluate=evaluate,
       evaluate_island_mean=evaluate_island_mean, consensus=consensus,
       inspect_state=integrity.compile_inspector(saved_state),
+      check_islands=jax.jit(guards.islands_finite).lower(state).compile(),
       compile_s=time.perf_counter() - start)
 
 

@@ -7,11 +7,9 @@ programs (compiled on the compute devices, or the outer side's with
 outer_placement='host') and counts what crossed the island link.
 """
 
-import jax
 import numpy as np
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.analysis import link_bytes
 from diloco_jax.parallel import multihost
@@ -62,7 +60,6 @@ class Syncs:
     self._schedule = setup.run_config.schedule
     self._tokens_per_island_step = (config.data.batch_size
                                     * config.data.sequence_length)
-    self._check_islands = jax.jit(guards.islands_finite)
     self.link_bytes = link_bytes.LinkBytes(
         config, setup.abstract_state.global_params, setup.islands,
         setup.spec.compression, setup.spec.layout)
@@ -94,7 +91,7 @@ class Syncs:
         (progress.island_round_steps * self._tokens_per_island_step
          * setup.data.island_shares * synced).astype(np.float32),
         setup.weights_shape.sharding)
-    excluded = synced & ~multihost.fetch(self._check_islands(state))
+    excluded = synced & ~multihost.fetch(programs.check_islands(state))
     host_outer = setup.host_outer
     ranks = rank_indices(state if host_outer is None
                          else host_outer.outer_state)
