@@ -8,13 +8,19 @@ r"""Data pipeline throughput and checkpoint save/restore time.
 2. Saves and restores the full TrainState of the 150M C4 config (global params,
    outer momentum, and params + AdamW moments of every island) with the
    project's orbax Checkpointer.
+3. Pre-tokenizing (`python -m diloco_jax.data.prepare`): SentencePiece's
+   tokens/s in one process, the prepare's tokens/s with 1, 2, ... worker
+   processes on a few MB of C4-format shards, and the batch assembly of
+   the "tokens" corpus (memory-mapped shards) pinned to one core.
 
-  python benchmarks/data_and_checkpoint_benchmark.py [--islands=2]
+  python benchmarks/data_and_checkpoint_benchmark.py [--islands=2] \
+      [--sections=stream,checkpoint,prepare]
 """
 
 import gzip
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -31,14 +37,28 @@ _ISLANDS = flags.DEFINE_integer(
 _TOKENS = flags.DEFINE_integer(
     "tokens", 40_000_000,
     "Tokens to stream per tokenizer (more than one pass over the shards).")
+_SECTIONS = flags.DEFINE_list(
+    "sections", ["stream", "checkpoint", "prepare"],
+    "What to measure: stream (the C4 pipeline), checkpoint, prepare.")
+_PREPARE_MEGABYTES = flags.DEFINE_integer(
+    "prepare_megabytes", 16, "Text the prepare section tokenizes, in MB.")
+_PREPARE_PROCESSES = flags.DEFINE_list(
+    "prepare_processes", ["1", "2"], "Worker processes to time the prepare "
+    "with.")
 
 
-def _write_c4_shards(directory: str, num_train_shards: int = 4) -> int:
-  """Writes stdlib sources as C4-format json.gz shards; returns bytes."""
+def _write_c4_shards(directory: str, num_train_shards: int = 4,
+                     megabytes: float | None = None) -> int:
+  """Writes stdlib sources (their first `megabytes` if given) as C4-format
+  json.gz shards; returns the characters written."""
   from diloco_jax.data import embedded  # pylint: disable=g-import-not-at-top
   paths = embedded.stdlib_source_files("train", 0.05)
-  documents = [d.decode("utf-8", "replace")
-               for d in embedded.read_documents(paths)]
+  documents, total = [], 0
+  for document in embedded.read_documents(paths):
+    documents.append(document.decode("utf-8", "replace"))
+    total += len(documents[-1])
+    if megabytes is not None and total >= megabytes * 1e6:
+      break
   total = 0
   shards = [("c4-train.%05d-of-%05d.json.gz" % (i, num_train_shards),
              documents[i::num_train_shards + 1])
@@ -158,13 +178,99 @@ def _checkpoint(tmp: str) -> None:
         "MB/s)")
 
 
+def _cpu_seconds() -> float:
+  """CPU time of this process and of its finished children: on a loaded
+  machine, tokens per CPU second is what a core would give alone."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _prepare_seconds(shard_dir: str, output: str, tokenizer_path: str,
+                     processes: int):
+  """(wall seconds, CPU seconds, index) of one prepare of the shards."""
+  from diloco_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  from diloco_jax.data import prepare_plan  # pylint: disable=g-import-not-at-top
+  start, cpu = time.perf_counter(), _cpu_seconds()
+  plan = prepare_plan.make_plan("c4", shard_dir, output, tokenizer_path)
+  index = prepare.prepare(plan, processes)  # starting workers counts too
+  return time.perf_counter() - start, _cpu_seconds() - cpu, index
+
+
+def _assembly_tokens_per_second(path: str, islands: int, batch: int,
+                                sequence_length: int,
+                                tokens: int = 10**9) -> float:
+  """The tokens corpus's next_batch on the current core, in tokens/s."""
+  from diloco_jax.data import token_batches  # pylint: disable=g-import-not-at-top
+  from diloco_jax.data import token_shards  # pylint: disable=g-import-not-at-top
+  source = token_batches.TokenIslandBatches(
+      token_shards.read_index(path), islands, batch, sequence_length, seed=0)
+  per_batch = islands * batch * (sequence_length + 1)
+  steps = max(1, tokens // per_batch)
+  source.next_batch()  # maps the first shards
+  start = time.perf_counter()
+  for _ in range(steps):
+    source.next_batch()
+  return steps * per_batch / (time.perf_counter() - start)
+
+
+def _prepare(tmp: str) -> None:
+  """SentencePiece per process, the prepare's scaling, the tokens corpus."""
+  from diloco_jax.data import c4_files  # pylint: disable=g-import-not-at-top
+  from diloco_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  shard_dir = os.path.join(tmp, "c4_prepare")
+  os.makedirs(shard_dir)
+  train_shards = 8
+  chars = _write_c4_shards(shard_dir, num_train_shards=train_shards,
+                           megabytes=_PREPARE_MEGABYTES.value)
+  spm_path = _train_sentencepiece(tmp)
+  print(f"prepare: {chars / 1e6:.1f}M characters of stdlib sources in "
+        f"{train_shards + 1} C4-format shards, {os.cpu_count()} CPUs, load "
+        f"average {os.getloadavg()[0]:.1f}")
+  texts = [text for shard in c4_files.list_shards(shard_dir)
+           for _, text in c4_files.read_texts(shard)]
+  encoder = tokenizer_lib.SentencePieceTokenizer(spm_path)
+  start, cpu = time.perf_counter(), time.process_time()
+  encoded = sum(encoder.encode(text).size for text in texts)
+  print(f"  SentencePiece ({encoder.vocab_size:,} pieces) encode alone, one "
+        f"process: {encoded / (time.perf_counter() - start) / 1e6:.2f}M "
+        f"tokens/s, {encoded / (time.process_time() - cpu) / 1e6:.2f}M "
+        "tokens per CPU second")
+  for name, model in (("sentencepiece", spm_path), ("byte", "")):
+    base = None
+    for processes in map(int, _PREPARE_PROCESSES.value):
+      output = os.path.join(tmp, f"tokens_{name}_{processes}")
+      seconds, cpu, index = _prepare_seconds(shard_dir, output, model,
+                                             processes)
+      tokens = index.tokens("train") + index.tokens("validation")
+      base = base or tokens / seconds
+      print(f"  prepare, {name:13s} {processes} process(es): {tokens:,} "
+            f"tokens in {seconds:.2f} s = {tokens / seconds / 1e6:.2f}M "
+            f"tokens/s ({tokens / seconds / base:.2f}x one process), "
+            f"{tokens / cpu / 1e6:.2f}M per CPU second")
+  all_cores = os.sched_getaffinity(0)
+  os.sched_setaffinity(0, {min(all_cores)})
+  path = os.path.join(tmp, f"tokens_byte_{_PREPARE_PROCESSES.value[0]}")
+  for islands, batch, sequence_length in ((4, 16, 128), (8, 64, 1024),
+                                          (8, 512, 1024)):
+    rate = _assembly_tokens_per_second(path, islands, batch, sequence_length)
+    print(f"  tokens corpus batch assembly, {islands} islands x {batch} x "
+          f"{sequence_length + 1}, 1 core: {rate / 1e6:,.0f}M tokens/s")
+  os.sched_setaffinity(0, all_cores)
+
+
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", 4)
+  sections = {"stream": _data_pipeline, "checkpoint": _checkpoint,
+              "prepare": _prepare}
+  unknown = set(_SECTIONS.value) - set(sections)
+  if unknown:
+    raise app.UsageError(f"--sections: no section {sorted(unknown)}; "
+                         f"choose from {sorted(sections)}")
   with tempfile.TemporaryDirectory() as tmp:
-    _data_pipeline(tmp)
-    _checkpoint(tmp)
+    for name in _SECTIONS.value:
+      sections[name](tmp)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ the reader's own files. A data path or tokenizer path under /data/, ~/ or
 $HOME/, or with an upper-case placeholder in it (MODEL), names the
 reader's files:
 it is replaced by a file of the same kind made here (C4 JSON-lines shards,
-a SentencePiece model), so every check runs but the path's existence. Any
+a SentencePiece model, shards prepared with the command's tokenizer), so
+every check runs but the path's existence. Any
 other path must exist. Other `python -m` commands of ours (experiments,
 the C4 tools) are checked against their modules' flags. Commands quoted
 in prose are checked the same way.
@@ -37,6 +38,8 @@ from diloco_jax.config import command_line
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
+from diloco_jax.data import prepare
+from diloco_jax.data import prepare_plan
 from diloco_jax.run import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -256,8 +259,18 @@ def reader_files(tmp_path_factory):
           vocab_size=64, hard_vocab_limit=False, minloglevel=2)
     return str(model)
 
+  def tokens(kind: str) -> str:
+    """The shards above prepared with the stand-in tokenizer of `kind`
+    (a run on them must name the tokenizer that made them)."""
+    output = root / f"tokens_{kind}"
+    if not output.exists():
+      model = tokenizer() if kind == "sentencepiece" else ""
+      prepare.prepare(prepare_plan.make_plan("c4", str(shards), str(output),
+                                             model), processes=1)
+    return str(output)
+
   return {"c4": str(shards), "text_files": str(root / "corpus.txt"),
-          "tokenizer": tokenizer}
+          "tokenizer": tokenizer, "tokens": tokens}
 
 
 def _with_reader_files(config, reader_files, fill: bool = False
@@ -266,7 +279,8 @@ def _with_reader_files(config, reader_files, fill: bool = False
   too) at reader_files; returns the problems of paths that are neither
   placeholders nor there."""
   problems, data = [], config.data
-  fields = [("path", lambda: reader_files.get(data.corpus))]
+  fields = [("path", lambda: reader_files["tokens"](data.tokenizer)
+             if data.corpus == "tokens" else reader_files.get(data.corpus))]
   if data.tokenizer == "sentencepiece":
     fields.append(("tokenizer_path", reader_files["tokenizer"]))
   for field, stand_in in fields:

@@ -170,9 +170,10 @@ def test_a_diloco_run_with_inner_muon_learns(tmp_path):
   """configs/tiny.py with Muon inside the islands, 4 rounds at an inner
   learning rate that learns in 16 steps: every round's eval is below the
   one before, and x ends 0.45 nats below the untrained model's loss
-  (measured; 0.3 asked). The embedding and head alone (AdamW) get about
-  0.19 in these steps, with Muon's blocks stepping uphill (measured), and
-  their eval rises in the last round."""
+  (measured; 0.4 asked). The embedding and head alone (AdamW, with Muon's
+  update zeroed) get 0.34 in these steps, with every eval still falling;
+  with Muon's blocks stepping uphill they get about 0.19 and their eval
+  rises in the last round (both measured)."""
   from configs import tiny  # pylint: disable=g-import-not-at-top
   config = helpers.with_overrides(tiny.get_config(), {
       "inner_optimizer.name": "muon", "inner_optimizer.learning_rate": 1e-2,
@@ -184,4 +185,4 @@ def test_a_diloco_run_with_inner_muon_learns(tmp_path):
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
   assert len(evals) == 4 and evals[-1] == summary["final_eval_loss"]
   assert all(later < earlier for earlier, later in zip(evals, evals[1:]))
-  assert summary["final_eval_loss"] < records[0]["train_loss"] - 0.3
+  assert summary["final_eval_loss"] < records[0]["train_loss"] - 0.4

@@ -284,8 +284,8 @@ def _model() -> Section:
 def _data() -> Section:
   """config.data: the corpus, its tokens and each island's batches."""
   return Section({
-      "corpus": "embedded",  # 'embedded' | 'synthetic' | 'text_files' | 'c4'
-      # Files/glob for text_files; C4 JSONL dir/glob or TFDS data_dir.
+      "corpus": "embedded",  # embedded|synthetic|text_files|c4|tokens
+      # text_files: files/glob; c4: JSONL dir/glob, TFDS data_dir; tokens: dir
       "path": "",
       # Corpus 'c4' through TFDS, e.g. 'c4/en' (path = data_dir).
       "tfds_name": "",

@@ -22,6 +22,13 @@ Modules, one concern each:
   of the step (iid and clustered), and the eval batches.
 - sharded_batches: island batches streamed from sharded documents, resumable
   from a few integers per island.
+- producer: a streamed corpus's next batches prepared by a background thread
+  (`ReadAhead`), resuming exactly.
+- prepare: pre-tokenizing a corpus into token shards with worker processes,
+  resumable (`python -m diloco_jax.data.prepare`).
+- token_shards: the token shards on disk and their index, checked before a
+  run starts; token_batches: the "tokens" corpus's island batches read from
+  them through memory maps.
 - clustering: hashed n-gram features and k-means, for non-iid islands.
 - corpus: in-memory corpora (`build_corpus`, `build_island_sequences`).
 - errors: `DataError`, raised for every unusable data file or data setting,

@@ -17,10 +17,12 @@ from diloco_jax.data import c4_files
 from diloco_jax.data import errors
 from diloco_jax.data import text_files
 from diloco_jax.data import tfds_documents
+from diloco_jax.data import token_shards
 from diloco_jax.data import tokenizer as tokenizer_lib
 
-CORPORA = ("embedded", "synthetic", "text_files", "c4")
-STREAMED_CORPORA = ("c4",)
+CORPORA = ("embedded", "synthetic", "text_files", "c4", "tokens")
+# Not held in memory: read shard by shard (c4) or memory-mapped (tokens).
+STREAMED_CORPORA = ("c4", "tokens")
 # "clustered_balanced": the same clusters with boundaries moved so that each
 # holds about 1/k of the tokens (clustering.balance_offsets).
 ISLAND_SPLITS = ("iid", "clustered", "clustered_balanced")
@@ -135,6 +137,8 @@ def _check(data_config) -> tokenizer_lib.Tokenizer | None:
     return None
   elif corpus == "c4":
     _check_c4(data_config)
+  elif corpus == "tokens":
+    return _check_tokens(data_config, split)
   return tokenizer_lib.build_tokenizer(data_config)
 
 
@@ -165,6 +169,31 @@ def _check_c4(data_config) -> None:
   if not train:
     raise errors.DataError(f"config.data.path: every shard at {path!r} is "
                            f"named '*validation*'; no train shards are left")
+
+
+def _check_tokens(data_config, split: str) -> tokenizer_lib.Tokenizer:
+  """The prepared corpus at config.data.path, checked against the run's
+  tokenizer (token_shards.check: reads the index, stats the shards)."""
+  path = data_config.get("path") or ""
+  if not path:
+    raise errors.DataError(
+        "config.data.path is required for corpus 'tokens' (a directory "
+        "python -m diloco_jax.data.prepare wrote)")
+  if split != "iid":
+    raise errors.DataError(
+        f"config.data.island_split={split!r} clusters documents by their "
+        f"text, which corpus 'tokens' does not keep; use 'iid' (or corpus "
+        f"'c4' on the shards it was prepared from)")
+  index = token_shards.read_index(path)
+  # Shards of a vocabulary beyond uint16 hold uint32 ids.
+  tokenizer = tokenizer_lib.build_tokenizer(
+      data_config, max_vocab_size=tokenizer_lib.MAX_WIDE_VOCAB_SIZE)
+  model_path = ((data_config.get("tokenizer_path") or "")
+                if tokenizer_lib.tokenizer_name(data_config) == "sentencepiece"
+                else "")
+  token_shards.check(index,
+                     token_shards.tokenizer_identity(tokenizer, model_path))
+  return tokenizer
 
 
 def _check_synthetic(data_config) -> None:

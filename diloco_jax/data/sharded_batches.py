@@ -84,15 +84,12 @@ class _IslandStream:
     self._keep = keep
     self.restore({key: 0 for key in _STATE_KEYS})
 
-  def _shard_order(self, epoch: int) -> np.ndarray:
-    rng = np.random.default_rng([self._seed, self._island, epoch])
-    return self._shards[rng.permutation(self._shards.size)]
-
   def _documents_from(self, epoch: int, shard_position: int, offset: int):
     """Yields (epoch, shard_position, offset, tokens + EOS) forever."""
     while True:
       found_any = False
-      order = self._shard_order(epoch)
+      order = shard_order(self._shards, self._seed, self._island,
+                          epoch)
       for position in range(shard_position, order.size):
         for doc_offset, text in self._documents.read(int(order[position]),
                                                      offset):
@@ -177,13 +174,7 @@ class StreamingIslandBatches:
     self._batch_size = batch_size
     self._chunk_length = sequence_length + 1
     if clusters is None:
-      if documents.num_shards < num_islands:
-        raise errors.DataError(
-            f"config.data.path: {documents.num_shards} train shard(s) for "
-            f"{num_islands} islands; island_split 'iid' gives each island its "
-            f"own shards, so at least {num_islands} are needed")
-      owned = [range(island, documents.num_shards, num_islands)
-               for island in range(num_islands)]
+      owned = iid_shards(documents.num_shards, num_islands)
       keeps = [None] * num_islands
     else:
       owned = [range(documents.num_shards)] * num_islands
@@ -218,14 +209,7 @@ class StreamingIslandBatches:
     of the islands held (as `state()` gives them); the islands held take
     theirs.
     """
-    islands = state.get("islands") if isinstance(state, dict) else None
-    if isinstance(islands, list) and len(islands) == self._num_islands:
-      islands = islands[self._held.start:self._held.stop]
-    if not isinstance(islands, list) or len(islands) != len(self._held):
-      raise errors.DataError(
-          f"data state holds {len(islands) if isinstance(islands, list) else 0}"
-          f" island positions, expected {self._num_islands} (was the number "
-          f"of islands changed?)")
+    islands = held_positions(state, self._num_islands, self._held)
     for island, island_state in zip(self._islands, islands):
       island.restore(island_state)
 
@@ -237,6 +221,44 @@ class StreamingIslandBatches:
     corpus).
     """
     return self._token_weights.copy()
+
+
+def iid_shards(num_shards: int, num_islands: int) -> list[range]:
+  """The shards each island owns under island_split 'iid': island i those
+  with index % num_islands == i; DataError when an island would get none."""
+  if num_shards < num_islands:
+    raise errors.DataError(
+        f"config.data.path: {num_shards} train shard(s) for {num_islands} "
+        f"islands; island_split 'iid' gives each island its own shards, so "
+        f"at least {num_islands} are needed")
+  return [range(island, num_shards, num_islands)
+          for island in range(num_islands)]
+
+
+def shard_order(shards: np.ndarray, seed: int, island: int, epoch: int
+                ) -> np.ndarray:
+  """The order in which an island visits its shards in an epoch: seeded by
+  (seed, island, epoch), so a restart recomputes it from its position."""
+  rng = np.random.default_rng([seed, island, epoch])
+  return shards[rng.permutation(shards.size)]
+
+
+def held_positions(state: dict, num_islands: int, held: range) -> list:
+  """The positions of the islands `held` in a saved {"islands": [...]}.
+
+  `state` lists every island's position (as a checkpoint holds them: a
+  multi-process run merges its processes' states before saving) or only
+  those held (as a source's `state()` gives them); DataError otherwise.
+  """
+  islands = state.get("islands") if isinstance(state, dict) else None
+  if isinstance(islands, list) and len(islands) == num_islands:
+    islands = islands[held.start:held.stop]
+  if not isinstance(islands, list) or len(islands) != len(held):
+    raise errors.DataError(
+        f"data state holds {len(islands) if isinstance(islands, list) else 0}"
+        f" island positions, expected {num_islands} (was the number of "
+        f"islands changed?)")
+  return islands
 
 
 def _cluster_filter(clusters: Clusters, island: int

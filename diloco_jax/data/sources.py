@@ -8,12 +8,18 @@ Every corpus, in memory or streamed, gives the loop the same object:
   source.restore(saved)              # continue exactly from there
   weights = source.island_token_weights()   # [islands] float, sums to 1
   source.info                        # SourceInfo: name, vocab, EOS, ...
+  close(source)                      # stops its read-ahead thread, if any
 
 and `make_eval_batches(config.data, batch_size, num_batches)` gives the fixed
 held-out set. In-memory corpora (embedded, synthetic, text_files) keep their
 batches a pure function of the step, so their state is just {"step": s}; the
 streamed C4 corpus keeps each island's read position (see
-`sharded_batches`).
+`sharded_batches`), and a pre-tokenized corpus ("tokens") each island's
+position in its memory-mapped shards (see `token_batches`).
+
+The streamed corpus is tokenized as it is read, in a thread that keeps a
+few batches ready (`producer.ReadAhead`); in-memory batches take
+microseconds and are built when asked for.
 
 `seed` orders the batches and seeds the k-means of clustered islands;
 config.data.seed builds the corpus (the synthetic chain).
@@ -27,9 +33,12 @@ from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import errors
 from diloco_jax.data import in_memory_batches
+from diloco_jax.data import producer
 from diloco_jax.data import settings as settings_lib
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import tfds_documents
+from diloco_jax.data import token_batches
+from diloco_jax.data import token_shards
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 # Documents sampled from the first train shards to fit streaming centroids:
@@ -118,6 +127,8 @@ def make_batch_source(data_config, num_islands: int, batch_size: int,
   """
   data_config = settings_lib.of(data_config)
   split = data_config.island_split
+  if data_config.corpus == "tokens":
+    return _token_source(data_config, num_islands, batch_size, seed, islands)
   if data_config.streamed:
     return _streaming_source(data_config, num_islands, batch_size, seed,
                              split, islands)
@@ -146,9 +157,15 @@ def make_eval_batches(data_config, batch_size: int,
 
   In-memory corpora: the first sequences of the validation split. C4: the
   first sequences packed from the validation shards (or TFDS split
-  "validation"), read in order and only as far as needed.
+  "validation"), read in order and only as far as needed; tokens: the first
+  tokens of the prepared validation shards, the same sequences.
   """
   data_config = settings_lib.of(data_config)
+  if data_config.corpus == "tokens":
+    return token_batches.eval_sequences(
+        token_shards.read_index(data_config.path),
+        data_config.sequence_length, batch_size * num_batches
+    ).reshape(num_batches, batch_size, -1)
   if not data_config.streamed:
     corpus = _cached_corpus(data_config)
     return in_memory_batches.eval_batches(corpus.validation, batch_size,
@@ -218,7 +235,29 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
                            vocab_size=tokenizer.vocab_size,
                            eos_id=tokenizer.eos_id, island_split=split)
   _read_first_batch(source)
+  # Tokenizing on the fly costs host time per batch: a thread reads ahead.
+  return producer.ReadAhead(source)
+
+
+def _token_source(data_config, num_islands: int, batch_size: int, seed: int,
+                  islands: range | None) -> BatchSource:
+  """The batches of a prepared corpus (checked with the settings: its
+  shards are there, whole, and of the run's tokenizer)."""
+  index = token_shards.read_index(data_config.path)
+  source = token_batches.TokenIslandBatches(
+      index, num_islands, batch_size, data_config.sequence_length, seed,
+      islands=islands)
+  source.info = SourceInfo(name=f"tokens ({data_config.path}: {index.source})",
+                           vocab_size=index.vocab_size, eos_id=index.eos_id,
+                           island_split=data_config.island_split)
   return source
+
+
+def close(source: BatchSource) -> None:
+  """Stops what `source` reads in the background (a streamed corpus's
+  read-ahead thread); the source is not used after."""
+  if isinstance(source, producer.ReadAhead):
+    source.close()
 
 
 def _read_first_batch(source: BatchSource) -> None:

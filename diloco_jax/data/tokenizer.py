@@ -4,7 +4,9 @@
 config.data.tokenizer = "byte" (default) | "sentencepiece", the latter with
 config.data.tokenizer_path naming a `.model` file (the T5 C4 vocabulary, or
 one train_tokenizer.py trains on the corpus).
-Token ids are uint16 everywhere in the pipeline, so vocabularies must fit it.
+Token ids are uint16 in the streamed and in-memory pipeline, so their
+vocabularies must fit it; pre-tokenized shards (data/prepare.py) hold larger
+vocabularies as uint32 (`token_dtype`).
 """
 import numpy as np
 
@@ -12,6 +14,13 @@ from diloco_jax.data import errors
 
 TOKENIZERS = ("byte", "sentencepiece")
 _MAX_VOCAB_SIZE = int(np.iinfo(np.uint16).max) + 1
+# Batches are int32, so even uint32 token ids must stay below 2**31.
+MAX_WIDE_VOCAB_SIZE = 2**31
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """The narrowest id type of a vocabulary: uint16 when it fits, else uint32."""
+  return np.dtype(np.uint16 if vocab_size <= _MAX_VOCAB_SIZE else np.uint32)
 
 
 class ByteTokenizer:
@@ -24,6 +33,7 @@ class ByteTokenizer:
   eos_id: int = 256
   vocab_size: int = 257
   name: str = "byte"
+  dtype: np.dtype = np.dtype(np.uint16)
 
   def encode(self, text: bytes | str) -> np.ndarray:
     """Returns the token ids (uint16) of `text`; str is encoded as UTF-8."""
@@ -43,10 +53,12 @@ class SentencePieceTokenizer:
 
   The vocabulary size and EOS id come from the model. A model trained without
   an EOS piece (eos_id = -1) gets one extra id after its pieces, so documents
-  can still be separated; vocab_size then counts it.
+  can still be separated; vocab_size then counts it. Ids are uint16 (the
+  default `max_vocab_size` refuses larger models), or uint32 for a larger
+  vocabulary where the caller allows one (pre-tokenized shards).
   """
 
-  def __init__(self, model_path: str):
+  def __init__(self, model_path: str, max_vocab_size: int = _MAX_VOCAB_SIZE):
     # Imported here: only this tokenizer needs the package.
     import sentencepiece  # pylint: disable=g-import-not-at-top
     model_proto = _read_model_proto(model_path)
@@ -64,19 +76,24 @@ class SentencePieceTokenizer:
     self.eos_id = model_eos if model_eos >= 0 else pieces
     self.vocab_size = pieces if model_eos >= 0 else pieces + 1
     self.name = f"sentencepiece ({model_path})"
-    if self.vocab_size > _MAX_VOCAB_SIZE:
-      raise _model_error(model_path, f"vocabulary of {self.vocab_size} ids "
-                                     f"does not fit uint16 token ids")
+    if self.vocab_size > max_vocab_size:
+      raise _model_error(
+          model_path, f"vocabulary of {self.vocab_size} ids does not fit "
+          f"{token_dtype(max_vocab_size).name} token ids" + (
+              "; pre-tokenize the corpus (python -m diloco_jax.data.prepare) "
+              "into uint32 shards" if max_vocab_size == _MAX_VOCAB_SIZE
+              else ""))
+    self.dtype = token_dtype(self.vocab_size)
 
   def encode(self, text: bytes | str) -> np.ndarray:
-    """Returns the piece ids (uint16) of `text`, without BOS or EOS.
+    """Returns the piece ids (`dtype`) of `text`, without BOS or EOS.
 
     Bytes are decoded as UTF-8; invalid sequences become U+FFFD rather than
     failing a run on one bad document.
     """
     if isinstance(text, bytes):
       text = text.decode("utf-8", errors="replace")
-    return np.asarray(self._processor.encode(text), dtype=np.uint16)
+    return np.asarray(self._processor.encode(text), dtype=self.dtype)
 
   def decode(self, ids) -> bytes:
     """Returns the UTF-8 text of `ids`, dropping EOS and out-of-range ids."""
@@ -94,11 +111,14 @@ def tokenizer_name(data_config) -> str:
   return getattr(data_config, "tokenizer", "byte") or "byte"
 
 
-def build_tokenizer(data_config) -> Tokenizer:
+def build_tokenizer(data_config, max_vocab_size: int = _MAX_VOCAB_SIZE
+                    ) -> Tokenizer:
   """The tokenizer config.data names; DataError naming the field if bad.
 
   A SentencePiece model file is read and checked here, so a bad one fails
-  when the pipeline is built, before anything is compiled.
+  when the pipeline is built, before anything is compiled. A model of more
+  than `max_vocab_size` ids is refused (the default: those that fit uint16;
+  MAX_WIDE_VOCAB_SIZE for pre-tokenized uint32 shards).
   """
   name = tokenizer_name(data_config)
   if name not in TOKENIZERS:
@@ -114,7 +134,7 @@ def build_tokenizer(data_config) -> Tokenizer:
         "on your shards with python -m diloco_jax.data.train_tokenizer "
         "--path=SHARDS, see docs/c4.md)")
   try:
-    return SentencePieceTokenizer(path)
+    return SentencePieceTokenizer(path, max_vocab_size)
   except ImportError as error:
     raise errors.DataError(
         "config.data.tokenizer='sentencepiece' needs the sentencepiece "

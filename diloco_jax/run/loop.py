@@ -50,6 +50,7 @@ class Finished:
       (config.eval.island_mean), else None.
     startup_s: launch to the first inner step's result (None: no step).
     train_s: the loop's wall-clock.
+    data_wait_s: of train_s, the time spent waiting for batches.
   """
   state: state_lib.TrainState
   progress: progress_lib.Progress
@@ -59,6 +60,7 @@ class Finished:
   island_mean_loss: float | None
   startup_s: float | None
   train_s: float
+  data_wait_s: float
 
 
 class BatchFeed:
@@ -67,15 +69,26 @@ class BatchFeed:
   Attributes:
     position: the data streams' state after the last batch taken (what a
       checkpoint saves).
+    waited_s: seconds the loop spent in the source's next_batch since
+      `start_clock` (waiting for data, not computing).
   """
 
   def __init__(self, setup: setup_lib.RunSetup):
     self._setup = setup
+    self.waited_s = 0.0
     self._next = self._place_next()
     self.position = setup.data.batches.state()
 
+  def start_clock(self) -> None:
+    """Counts waits from now: the first batch was read while the
+    programs compiled."""
+    self.waited_s = 0.0
+
   def _place_next(self) -> jax.Array:
-    return self._setup.place_batch(self._setup.data.batches.next_batch())
+    start = time.perf_counter()
+    batch = self._setup.data.batches.next_batch()
+    self.waited_s += time.perf_counter() - start
+    return self._setup.place_batch(batch)
 
   def take(self) -> jax.Array:
     """The prepared batch (or, when it went to a step rolled back, the
@@ -151,6 +164,7 @@ class TrainingLoop:
     start_tokens = self.progress.tokens_seen
     self._writer.start_clock(start_tokens, self._start_step)
     self._records.start_clock()
+    self._batches.start_clock()
     step = self._start_step
     while step < self._config.total_steps:
       if self._records.stop_requested():
@@ -172,7 +186,8 @@ class TrainingLoop:
         island_mean_loss=(self._island_mean_loss
                           if programs.evaluate_island_mean is not None
                           else None),
-        startup_s=self._startup_s, train_s=self._records.elapsed_s())
+        startup_s=self._startup_s, train_s=self._records.elapsed_s(),
+        data_wait_s=self._batches.waited_s)
 
   def sync_bytes(self) -> int:
     """What one island sends in one sync of every param, at this round's
@@ -256,6 +271,7 @@ class TrainingLoop:
     config = self._config
     record = records.step_record(config, step, self.progress,
                                  float(self._learning_rates[step - 1]))
+    self._writer.set_data_wait(self._batches.waited_s)
     if evaluating:
       self._eval_loss = self._mean_eval_loss(
           settled=step == config.total_steps)

@@ -56,8 +56,9 @@ def write_json_atomically(path: str, payload: dict) -> None:
 class MetricsWriter:
   """Writes each step's scalars to metrics.jsonl and TensorBoard.
 
-  Also logs a progress line (step/total, round, loss, tokens/s, ETA) at most
-  every `log_every_seconds`, and always for evaluation steps. A run that
+  Also logs a progress line (step/total, round, loss, tokens/s, the share
+  of the time spent waiting for data, ETA) at most every
+  `log_every_seconds`, and always for evaluation steps. A run that
   starts again from step s (a resume, a rollback) has its points after s
   dropped: metrics.jsonl is cut, and TensorBoard is told to purge them
   (event_files.py), so each step has one point.
@@ -73,6 +74,7 @@ class MetricsWriter:
     self._start = None
     self._start_tokens = 0
     self._start_step = start_step
+    self._data_wait_s = 0.0
     self._jsonl = None
     self._tensorboard = None
     self._workdir = workdir
@@ -101,6 +103,12 @@ class MetricsWriter:
     self._start = time.perf_counter()
     self._start_tokens = tokens_seen
     self._start_step = step
+    self._data_wait_s = 0.0
+
+  def set_data_wait(self, seconds: float) -> None:
+    """The seconds the loop has waited for batches since start_clock
+    (the loop keeps it current): the progress line shows their share."""
+    self._data_wait_s = seconds
 
   def tokens_per_second(self, tokens_seen: int) -> float:
     elapsed = time.perf_counter() - self._start
@@ -147,7 +155,9 @@ class MetricsWriter:
         line += f" islands {active - excluded}/{self._islands}"
         if excluded:
           line += f" ({excluded} diverged, left out)"
-    line += f" tok/s {rate:,.0f} ETA {_format_duration(eta)}"
+    line += (f" tok/s {rate:,.0f} data wait "
+             f"{self._data_wait_s / max(now - self._start, 1e-9):.1%} "
+             f"ETA {_format_duration(eta)}")
     logging.info(line)
 
   def close(self) -> None:

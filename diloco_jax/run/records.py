@@ -123,6 +123,10 @@ def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
       "pretrain_steps": config.pretrain_steps,
       "initialized_from": progress.initialized_from,
   }
+  # Of the loop's time, the share it waited for batches (an upper bound on
+  # the devices' idle time for data: a wait overlaps the step in flight).
+  result["data_wait_fraction"] = ratio(timings["data_wait_s"],
+                                       timings["train_s"])
   result["timed_steps"] = timed[0]
   result.update(throughput(timed[1], timed[2], flops_per_token, mesh,
                            config.model.dtype))

@@ -34,6 +34,7 @@ from diloco_jax.analysis import workloads
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
+from diloco_jax.data import sources
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import outer_devices as outer_devices_lib
 from diloco_jax.run import background
@@ -228,6 +229,8 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
   except BaseException as error:
     _close_after_error(checkpointer, writer, error)
     raise
+  finally:
+    sources.close(setup.data.batches)  # a streamed corpus's read-ahead
   summary = _summary(setup, start, finished, programs.compile_s,
                      time.perf_counter() - wall_start, workdir)
   if jax.process_index() == 0:
@@ -349,7 +352,8 @@ def _summary(setup: setup_lib.RunSetup, start: start_lib.Start,
       setup.run_config, finished.progress, num_params=setup.num_params,
       start_step=start.step, timed=timed,
       timings={"compile_s": compile_s, "startup_s": finished.startup_s,
-               "train_s": finished.train_s, "wall_s": wall_s},
+               "train_s": finished.train_s, "wall_s": wall_s,
+               "data_wait_s": finished.data_wait_s},
       flops_per_token=flops_per_token, mesh=setup.mesh,
       eval_loss=finished.eval_loss,
       island_mean_loss=finished.island_mean_loss,
