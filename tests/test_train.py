@@ -13,6 +13,7 @@ from diloco_jax.algorithm import participation
 from diloco_jax.config import validation
 from diloco_jax.data import settings as data_settings
 from diloco_jax.run import train
+from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = {"step", "round", "train_loss", "tokens_seen", "elapsed_s", "comm_bytes",
@@ -237,3 +238,44 @@ def test_a_run_checks_its_config_once_and_the_loop_parses_nothing(
   # parse_schedule: validation checks the string, RunConfig keeps its parse.
   assert calls == {"validate_config": 1, "from_config": 1,
                    "parse_schedule": 2}
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"diloco.outer_placement": "host"}], ids=["device", "host"])
+def test_the_round_ends_compile_nothing_once_training_started(overrides,
+                                                              tmp_path):
+  """Every program the syncs, evals and checks run is compiled at start-up
+  (run/programs.py), so no round end waits for XLA. The one exception is
+  orbax's own: at the first save it slices each array replicated over the
+  islands' devices among them, an eager jit(slice) per shape and device."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+
+  messages = []
+
+  class Recorder(logging.Handler):
+
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  recorder = Recorder()
+  absl_logger = logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(logging.INFO)  # the loop's "first inner step done"
+  logging.getLogger().addHandler(recorder)
+  jax.config.update("jax_log_compiles", True)
+  try:
+    config = helpers.with_overrides(tiny.get_config(), overrides)
+    config.total_steps = 3 * config.diloco.inner_steps
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    logging.getLogger().removeHandler(recorder)
+    absl_logger.setLevel(level)
+  started = next(i for i, message in enumerate(messages)
+                 if message.startswith("first inner step done"))
+  compiled = {re.match(r"Compiling (\S+)", message).group(1)
+              for message in messages[started:]
+              if message.startswith("Compiling ")}
+  assert compiled <= {"jit(slice)"}, compiled

@@ -76,8 +76,6 @@ class RoundOuter(OuterSide):
     self._eager = overlap_lib.is_eager(overlap)
     self._warmup_rounds = warmup_rounds
     own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
-    self._restart_dropped = restart_dropped
-    self._reset_inner = reset_inner
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
     # The collective of the pseudo-gradients against `reference` (the x
@@ -125,24 +123,61 @@ class RoundOuter(OuterSide):
             global_params=x, outer_opt_state=outer_state,
             in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
             in_flight_valid=jnp.zeros((), jnp.bool_))))
-    self._finite = jax.jit(guards.islands_finite)
+    def round_masks(state, weights):
+      """(restart, keep) [islands]: the islands that start the next round
+      with a fresh inner state, and those in this round's mean."""
+      finite = guards.islands_finite(state)
+      return (state_lib.restart_islands(finite, weights, restart_dropped,
+                                        reset_inner),
+              finite & (weights > 0))
+
+    self._round_masks = jax.jit(round_masks)
+    self._end_round = jax.jit(functools.partial(reset, ends_round=True),
+                              donate_argnums=0)
+    # compile_in_background's abstract islands' side and weights, from
+    # which the round end's compute-side programs compile.
+    self._islands_abstract = None
+
+  def compile_in_background(self, state) -> None:
+    # The round end's programs on the islands' devices compile from the
+    # state as the loop holds it (without the outer fields).
+    weights = jax.ShapeDtypeStruct(
+        (self._islands,), jnp.float32,
+        sharding=NamedSharding(self._compute_mesh, P(mesh_lib.ISLAND)))
+    x = placement.with_shardings(
+        state.global_params, state_lib.state_shardings(
+            outer_part(state), self._compute_mesh, self._fsdp).global_params)
+    self._islands_abstract = (strip(state), weights, x)
+    super().compile_in_background(state)
 
   def _compile_all(self, outer, islands_state, weights) -> dict:
     reference = (islands_state.anchors if self._anchored
                  else outer.global_params)
     compiled = {"_send": self._send.lower(
-        outer, islands_state.island_params, weights, reference).compile()}
+        outer, islands_state.island_params, weights, reference).compile(),
+                **self._compile_round_end()}
     if self._delayed and not self._eager:
       compiled["_apply"] = self._apply.lower(outer).compile()
     return compiled
 
+  def _compile_round_end(self) -> dict:
+    """The islands' side of a round end (its masks and, without eager
+    updates, the next round's start), compiled so that the first round
+    end waits for no compile."""
+    state, weights, x = self._islands_abstract
+    round_masks = self._round_masks.lower(state, weights).compile()
+    if self._eager:
+      return {"_round_masks": round_masks}
+    mask = jax.ShapeDtypeStruct((self._islands,), bool,
+                                sharding=round_masks.output_shardings[0])
+    return {"_round_masks": round_masks,
+            "_end_round": self._end_round.lower(state, x, mask,
+                                                mask).compile()}
+
   def outer_step(self, state: state_lib.TrainState, weights: jax.Array):
     """The round's end: the islands' params go out, x comes back."""
     self._use_compiled()
-    finite = self._finite(state)
-    restart = state_lib.restart_islands(
-        finite, weights, self._restart_dropped, self._reset_inner)
-    keep = finite & (weights > 0)  # the islands in this round's mean
+    restart, keep = self._round_masks(state, weights)
     island_params = move(state.island_params, self._on_islands)
     outer_weights = move(weights, self._on_islands)
     if self._anchored:  # each island's a_i (eager: its x_m)
@@ -173,7 +208,7 @@ class RoundOuter(OuterSide):
       self._outer = self._send(self._outer, island_params, outer_weights,
                                reference)
       x = self._x_on_compute()
-    return self._reset(state, x, restart, keep, True)
+    return self._end_round(state, x, restart, keep)
 
   def flush(self, state: state_lib.TrainState):
     """The end of a one-step-delay run: the last mean is applied."""
