@@ -1,7 +1,7 @@
 """The token look-up's gradient: a float32 sum over positions sorted by id.
 
 Its cost must not depend on which tokens repeat (model/embedding.py), so
-the tests check its form in the compiled program (a sort of the ids, then a
+the tests check its form in the program given to XLA (a sort of the ids, then a
 float32 scatter-add that XLA is told is sorted, for every compute dtype,
 tied or untied, stacked islands) and its numerics against a float64 numpy
 sum of the same cotangents, on ids from uniform to one id everywhere.
@@ -129,3 +129,34 @@ def test_the_model_gradient_equals_the_plain_look_up_in_float32(
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                rtol=1e-5, atol=1e-7)
+
+
+def test_pipeline_stages_take_rows_the_same_way():
+  """Two pipeline stages, bf16: the first stage's look-up differentiates
+  into the same float32 scatter over sorted ids (the program jax gives
+  XLA, lowered only)."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import stages as stages_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import setup as setup_lib  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.model = test_model.tiny_config(num_layers=2, dtype="bfloat16")
+  config.mesh.stage = 2
+  config.pipeline.microbatches = 2
+  mesh = mesh_lib.build_mesh(1, 1, 2)
+  layout = stages_lib.StageLayout(2, 1, config.model.num_layers)
+  _, params = model.init_params(config.model, seed=0)
+  staged = jax.device_put(layout.split_params(params),
+                          NamedSharding(mesh, PartitionSpec(mesh_lib.STAGE)))
+  tokens = test_model.random_tokens(0, (4, test_model.SEQ + 1))
+  loss_fn = setup_lib.loss_function(config, mesh)
+  hlo = jax.jit(jax.grad(loss_fn)).lower(staged, tokens).as_text(
+      dialect="hlo")
+  scatters = [line for line in hlo.splitlines()
+              if re.search(r"= \S+ scatter\(", line)]
+  assert any(re.search(r"= f32\S* scatter\(", line)
+             and "indices_are_sorted=true" in line for line in scatters), (
+                 scatters)
+  assert not any(re.search(r"= bf16\S* scatter\(", line)
+                 for line in scatters), scatters
