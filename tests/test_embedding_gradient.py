@@ -1,10 +1,11 @@
 """The token look-up's gradient: a float32 sum over positions sorted by id.
 
 Its cost must not depend on which tokens repeat (model/embedding.py), so
-the tests check its form in the program given to XLA (a sort of the ids, then a
-float32 scatter-add that XLA is told is sorted, for every compute dtype,
-tied or untied, stacked islands) and its numerics against a float64 numpy
-sum of the same cotangents, on ids from uniform to one id everywhere.
+the tests check its form in the program given to XLA (a sort of the ids,
+then a float32 scatter-add that XLA is told is sorted, for every compute
+dtype, tied or untied, stacked islands, pipeline stages) and its numerics
+against a float64 numpy sum of the same cotangents, on ids from uniform to
+one id everywhere.
 """
 import re
 
