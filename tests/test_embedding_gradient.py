@@ -13,9 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
+from configs import tiny
 from diloco_jax.model import embedding
 from diloco_jax.model import transformer as model
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel import stages as stages_lib
+from diloco_jax.run import setup as setup_lib
 from tests import test_model
 
 VOCAB, D = 64, 8
@@ -136,11 +141,6 @@ def test_pipeline_stages_take_rows_the_same_way():
   """Two pipeline stages, bf16: the first stage's look-up differentiates
   into the same float32 scatter over sorted ids (the program jax gives
   XLA, lowered only)."""
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from diloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax.parallel import stages as stages_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax.run import setup as setup_lib  # pylint: disable=g-import-not-at-top
   config = tiny.get_config()
   config.model = test_model.tiny_config(num_layers=2, dtype="bfloat16")
   config.mesh.stage = 2
