@@ -1,0 +1,193 @@
+"""DiLoCo's outer step as pieces any JAX training loop can call.
+
+Pure functions over pytrees, with no config and no run layer: a loop that
+trains k copies of a model (its islands) for H inner steps calls
+`outer_update` to average their pseudo-gradients (through a codec) and
+step the global params with an optax outer optimizer, then starts every
+island from the result. Each call works in two forms:
+
+  stacked     island trees carry a leading axis of k islands (one process
+              holds them all, as with jax.vmap); `axis_name=None`.
+  per island  inside shard_map (or pmap), each call sees one island's
+              trees; `axis_name` names the islands' axis.
+
+The built-in runs use these same pieces (outer_step.sync_island is the
+collective of both), so a hand-written loop computes what
+`python -m diloco_jax.main` computes. docs/library.md shows a loop.
+"""
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.codecs import dense as dense_codecs
+
+__all__ = [
+    "DiLoCoState", "adam", "codec", "fedavg", "init", "island_copies",
+    "nesterov", "outer_update", "sgd", "sparseloco",
+]
+
+# The islands' axis name of the stacked form (a jax.vmap inside).
+_STACKED_AXIS = "diloco_islands"
+
+
+def nesterov(learning_rate: float = 0.7,
+             momentum: float = 0.9) -> optax.GradientTransformation:
+  """DiLoCo's outer optimizer: Nesterov momentum on the averaged
+  pseudo-gradient (the paper's lr 0.7, momentum 0.9)."""
+  return optimizers.outer_optimizer(optimizers.OuterSettings(
+      "nesterov", learning_rate, momentum))
+
+
+def sgd(learning_rate: float) -> optax.GradientTransformation:
+  """Plain SGD on the averaged pseudo-gradient."""
+  return optimizers.outer_optimizer(optimizers.OuterSettings(
+      "sgd", learning_rate))
+
+
+def fedavg() -> optax.GradientTransformation:
+  """FedAvg: the global params become the islands' weighted average."""
+  return sgd(1.0)
+
+
+def adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 0.1) -> optax.GradientTransformation:
+  """Adam on the averaged pseudo-gradient (DiLoCo needs an eps ~0.1)."""
+  return optimizers.outer_optimizer(optimizers.OuterSettings(
+      "adam", learning_rate, b1=b1, b2=b2, eps=eps))
+
+
+def sparseloco(alpha: float = 1.0, *, chunk_size: int = 4096,
+               density: float = 0.02, bits: int = 2, beta: float = 0.95):
+  """SparseLoCo: (outer optimizer, codec). The outer step is x - alpha *
+  mean; the momentum is the islands' error feedback, decayed by `beta`
+  (init with error_feedback=True), and the codec keeps `density` of each
+  chunk of `chunk_size` values at `bits` bits."""
+  compression = compression_lib.Compression(
+      compression_lib.SPARSELOCO, dense_codecs.make_codec("fp32"),
+      chunk_size=chunk_size, density=density, value_bits=bits,
+      feedback_decay=beta)
+  return optimizers.outer_optimizer(optimizers.OuterSettings(
+      "sparseloco", alpha)), compression
+
+
+def codec(name: str = "fp32",
+          block_size: int = 256) -> compression_lib.Compression:
+  """A dense codec of what crosses the link, by name: one of
+  codecs.dense.DENSE_CODECS (fp32, bf16, fp16, int8, int4, fp4), the
+  quantized ones with one scale per `block_size` values. Structured codecs
+  are compression.Compression objects, as `sparseloco` makes."""
+  if name not in dense_codecs.DENSE_CODECS:
+    raise ValueError(f"codec {name!r} is not one of "
+                     f"{dense_codecs.DENSE_CODECS}")
+  return compression_lib.Compression(
+      name, dense_codecs.make_codec(name, block_size))
+
+
+class DiLoCoState(flax.struct.PyTreeNode):
+  """What the outer step carries from round to round.
+
+  Attributes:
+    outer_opt_state: the outer optimizer's state (of the global params).
+    codec_state: the codec's state (adaptive ranks), or None.
+    residuals: error feedback: what the codec left unsent, per island
+      (stacked [k, ...] in the stacked form, one island's in the other),
+      or None.
+    round: rounds done (int32 scalar).
+  """
+  outer_opt_state: optax.OptState
+  codec_state: object
+  residuals: object
+  round: jax.Array
+
+
+def init(params, outer_tx: optax.GradientTransformation,
+         num_islands: int | None = None, *,
+         compression: compression_lib.Compression | None = None,
+         error_feedback: bool = False, seed: int = 0) -> DiLoCoState:
+  """The state before the first round, for the global `params`.
+
+  `num_islands`: k for the stacked form (residuals stacked [k, ...]); None
+  for the per-island form (each island holds its own residuals).
+  `seed` seeds the codec's initial state (low-rank bases).
+  """
+  residuals = None
+  if error_feedback:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    residuals = (zeros if num_islands is None
+                 else state_lib.stack_islands(zeros, num_islands))
+  return DiLoCoState(
+      outer_opt_state=outer_tx.init(params),
+      codec_state=state_lib.init_codec_state(params, compression, seed),
+      residuals=residuals, round=jnp.zeros((), jnp.int32))
+
+
+def island_copies(params, num_islands: int):
+  """`params` repeated on a leading axis of `num_islands` (stacked form):
+  the islands' start of a round."""
+  return state_lib.stack_islands(params, num_islands)
+
+
+def outer_update(global_params, island_params, state: DiLoCoState,
+                 outer_tx: optax.GradientTransformation, *, weights=None,
+                 compression: compression_lib.Compression | None = None,
+                 axis_name: str | None = None, key: jax.Array | None = None):
+  """DiLoCo's outer step: the weighted mean of the islands' pseudo-gradients
+  global_params - island_params (plus error feedback) through the codec,
+  accumulated in float32, then one step of `outer_tx` on the global params.
+
+  Args:
+    global_params: x, the params every island started the round from.
+    island_params: stacked [k, ...] (axis_name=None), or this island's.
+    state: from `init` or the previous call.
+    outer_tx: the outer optimizer (`nesterov`, `fedavg`, `adam`, ...).
+    weights: per island: [k] (stacked) or a scalar (per island); 0 leaves
+      an island out of the mean (a dropped island). Default: all 1. An
+      island whose pseudo-gradient is not finite is left out too.
+    compression: the codec (`codec`, `sparseloco`'s); default fp32.
+    axis_name: None for the stacked form, else the islands' axis name.
+    key: PRNG key for stochastic rounding in the codec, or None.
+
+  Returns:
+    (global_params, state, included): the new x (start every island from
+    it: `island_copies`), the next state, and whether each island took
+    part ([k], or this island's scalar). With no island taking part, x and
+    the state do not move.
+  """
+  compression = compression_lib.as_compression(compression)
+  if axis_name is None:
+    num_islands = jax.tree.leaves(island_params)[0].shape[0]
+    weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
+               else jnp.asarray(weights, jnp.float32))
+    keys = (None if key is None else jax.random.split(key, num_islands))
+    sync = jax.vmap(
+        lambda y, e, w, k: outer_step_lib.sync_island(
+            global_params, y, e, state.codec_state, w, compression, k,
+            axes=_STACKED_AXIS),
+        in_axes=(0, None if state.residuals is None else 0, 0,
+                 None if keys is None else 0),
+        axis_name=_STACKED_AXIS)
+    mean, residuals, codec_state, included, _ = sync(
+        island_params, state.residuals, weights, keys)
+    # The mean and codec state are the same on every island: take one.
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    mean, codec_state = first(mean), first(codec_state)
+    anyone = jnp.any(included)
+  else:
+    weight = jnp.asarray(1.0 if weights is None else weights, jnp.float32)
+    mean, residuals, codec_state, included, _ = outer_step_lib.sync_island(
+        global_params, island_params, state.residuals, state.codec_state,
+        weight, compression, key, axes=axis_name)
+    anyone = jax.lax.psum(included.astype(jnp.int32), axis_name) > 0
+  x, outer_opt_state = outer_step_lib.outer_update(
+      outer_tx, global_params, state.outer_opt_state, mean, anyone)
+  state = state.replace(
+      outer_opt_state=outer_opt_state, residuals=residuals,
+      codec_state=outer_step_lib.keep_unless(anyone, codec_state,
+                                             state.codec_state),
+      round=state.round + 1)
+  return x, state, included

@@ -1,0 +1,93 @@
+"""The public outer step (algorithm/library.py) against the built-in one.
+
+A hand-written loop's outer_update must compute what the runs compute:
+after the same inner steps, its x equals make_outer_step's, stacked or per
+island inside shard_map, with any codec. Both run sync_island (one
+implementation), so they differ only in how XLA fuses the same float32
+arithmetic: rtol 1e-6 allows a few ulps of reassociation.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import library as diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from tests import helpers
+
+ISLANDS = 4
+
+
+def _islands_after_a_round(seed=0):
+  """(x, the islands' params after 3 AdamW steps each on its own data)."""
+  params, loss_fn = helpers.tiny_problem(seed)
+  params = jax.tree.map(np.array, params)
+  inner_opt = optax.adamw(1e-2, weight_decay=0.1)
+  mesh = mesh_lib.build_mesh(ISLANDS, 1)
+  state = state_lib.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
+  inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
+  for batch in helpers.random_batches(3, ISLANDS, 4):
+    state, _ = inner(state, jax.device_put(
+        batch, NamedSharding(mesh, state_lib.BATCH_SPEC)))
+  return params, jax.device_get(state.island_params)
+
+
+def _built_in(params, island_params, outer_tx, compression, weights):
+  mesh = mesh_lib.build_mesh(ISLANDS, 1)
+  state = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
+                               ISLANDS, compression=compression)
+  state = state.replace(island_params=island_params)
+  state = jax.device_put(state, state_lib.state_shardings(state, mesh))
+  step = outer_step_lib.make_outer_step(outer_tx, mesh, compression)
+  state = step(state, jax.device_put(
+      jnp.asarray(weights, jnp.float32), NamedSharding(mesh, P("island"))))
+  return jax.device_get(state.global_params)
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "int8"])
+def test_outer_update_equals_the_built_in_outer_step(codec_name):
+  params, island_params = _islands_after_a_round()
+  outer_tx = diloco.nesterov(0.7, 0.9)
+  compression = diloco.codec(codec_name)
+  weights = [1.0, 2.0, 0.0, 1.0]  # island 2 dropped this round
+  expected = _built_in(params, island_params, outer_tx, compression,
+                       weights)
+
+  state = diloco.init(params, outer_tx, ISLANDS, compression=compression)
+  x, state, included = jax.jit(functools.partial(
+      diloco.outer_update, outer_tx=outer_tx, compression=compression))(
+          params, island_params, state, weights=jnp.asarray(weights))
+  np.testing.assert_array_equal(included, [True, True, False, True])
+  assert int(state.round) == 1
+  helpers.assert_trees_close(x, expected, rtol=1e-6, atol=1e-7)
+  # x moved: the islands did learn something different from x.
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(
+      jax.tree.leaves(x), jax.tree.leaves(params))) > 1e-4
+
+  # Per island, inside shard_map over the islands' devices.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ISLANDS]), ("islands",))
+  per_island_state = diloco.init(params, outer_tx, compression=compression)
+
+  def one_island(y, w):
+    y = jax.tree.map(lambda a: a[0], y)
+    x, _, _ = diloco.outer_update(params, y, per_island_state, outer_tx,
+                                  weights=w[0], compression=compression,
+                                  axis_name="islands")
+    return x
+
+  sharded = jax.jit(jax.shard_map(
+      one_island, mesh=mesh, in_specs=(P("islands"), P("islands")),
+      out_specs=P(), check_vma=False))
+  on_islands = NamedSharding(mesh, P("islands"))
+  helpers.assert_trees_close(
+      sharded(jax.device_put(island_params, on_islands),
+              jax.device_put(jnp.asarray(weights), on_islands)),
+      expected, rtol=1e-6, atol=1e-7)
