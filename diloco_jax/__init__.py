@@ -17,9 +17,11 @@ from the layers below it (tests/test_layers.py checks this):
   codecs/  model/  data/   dense/sparse/low-rank codecs of vectors; the
                        transformer; the host-side data pipeline
 
-Start with run/train.py (train_and_evaluate), algorithm/outer_step.py (the
-outer step), parallel/placement.py (where arrays live) and run/loop.py
-(the loop). docs/architecture.md has the picture.
+To add DiLoCo to your own loop: `from diloco_jax import library`
+(algorithm/library.py, docs/library.md). To read the code, start with
+run/train.py (train_and_evaluate), algorithm/outer_step.py (the outer
+step), parallel/placement.py (where arrays live) and run/loop.py (the
+loop). docs/architecture.md has the picture.
 """
 
 import importlib as _importlib
@@ -32,7 +34,15 @@ _MOVED = {"config_schema": "diloco_jax.config.schema",
           "train": "diloco_jax.run.train"}
 
 
+# The public API (docs/library.md): `from diloco_jax import library`.
+__all__ = ["library"]
+
+
 def __getattr__(name: str):
+  if name == "library":
+    module = globals()[name] = _importlib.import_module(
+        "diloco_jax.algorithm.library")
+    return module
   if name in _MOVED:
     _warnings.warn(f"diloco_jax.{name} moved to {_MOVED[name]}; import it "
                    "from there", DeprecationWarning, stacklevel=2)

@@ -27,8 +27,8 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 
 __all__ = [
-    "DiLoCoState", "adam", "codec", "fedavg", "init", "island_copies",
-    "nesterov", "outer_update", "sgd", "sparseloco",
+    "DiLoCoState", "adam", "bytes_sent", "codec", "fedavg", "init",
+    "island_copies", "nesterov", "outer_update", "sgd", "sparseloco",
 ]
 
 # The islands' axis name of the stacked form (a jax.vmap inside).
@@ -86,6 +86,16 @@ def codec(name: str = "fp32",
                      f"{dense_codecs.DENSE_CODECS}")
   return compression_lib.Compression(
       name, dense_codecs.make_codec(name, block_size))
+
+
+def bytes_sent(params, num_islands: int,
+               compression: compression_lib.Compression | None = None
+               ) -> int:
+  """Bytes one island sends in one `outer_update` of `params` (arrays or
+  jax.ShapeDtypeStruct, one island's shapes) among `num_islands`: the
+  codec's payload and scales over a ring all-reduce or all-gather."""
+  return compression_lib.mean_bytes(
+      params, num_islands, compression_lib.as_compression(compression))
 
 
 class DiLoCoState(flax.struct.PyTreeNode):
