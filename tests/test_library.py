@@ -91,3 +91,41 @@ def test_outer_update_equals_the_built_in_outer_step(codec_name):
       sharded(jax.device_put(island_params, on_islands),
               jax.device_put(jnp.asarray(weights), on_islands)),
       expected, rtol=1e-6, atol=1e-7)
+
+
+def test_the_one_step_delay_equals_the_built_in_one():
+  """Two rounds of given island params, then the flush: x after each
+  equals make_outer_step(overlap='one_step_delay') and make_flush's."""
+  params, _ = helpers.tiny_problem(0)
+  params = jax.tree.map(np.array, params)
+  outer_tx = diloco.nesterov(0.7, 0.9)
+  rng = np.random.default_rng(0)
+  moves = [jax.tree.map(lambda p: rng.normal(
+      0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
+           for _ in range(2)]
+  weights = jnp.ones((ISLANDS,), jnp.float32)
+
+  mesh = mesh_lib.build_mesh(ISLANDS, 1)
+  built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
+                                  ISLANDS, overlap="one_step_delay")
+  built_in = jax.device_put(built_in,
+                            state_lib.state_shardings(built_in, mesh))
+  step = outer_step_lib.make_outer_step(outer_tx, mesh,
+                                        overlap="one_step_delay")
+  on_islands = NamedSharding(mesh, P("island"))
+  x = params
+  state = diloco.init(params, outer_tx, ISLANDS, one_step_delay=True)
+  for move in moves:
+    islands = jax.tree.map(lambda a, m: a[None] - m, x, move)
+    built_in = step(built_in.replace(island_params=jax.device_put(
+        islands, state_lib.state_shardings(built_in, mesh).island_params)),
+                    jax.device_put(weights, on_islands))
+    x, state, _ = diloco.outer_update(x, islands, state, outer_tx,
+                                      weights=weights)
+    helpers.assert_trees_close(x, jax.device_get(built_in.global_params),
+                               rtol=1e-6, atol=1e-7)
+  flushed = outer_step_lib.make_flush(outer_tx, mesh)(built_in)
+  x, state = diloco.flush(x, state, outer_tx)
+  helpers.assert_trees_close(x, jax.device_get(flushed.global_params),
+                             rtol=1e-6, atol=1e-7)
+  assert not bool(state.in_flight_valid)

@@ -27,7 +27,7 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 
 __all__ = [
-    "DiLoCoState", "adam", "bytes_sent", "codec", "fedavg", "init",
+    "DiLoCoState", "adam", "bytes_sent", "codec", "fedavg", "flush", "init",
     "island_copies", "nesterov", "outer_update", "sgd", "sparseloco",
 ]
 
@@ -108,22 +108,32 @@ class DiLoCoState(flax.struct.PyTreeNode):
       (stacked [k, ...] in the stacked form, one island's in the other),
       or None.
     round: rounds done (int32 scalar).
+    in_flight: with the one-step delay, the last round's mean (float32,
+      params-shaped), applied at the next round's end; else None.
+    in_flight_valid: whether `in_flight` holds a mean (bool scalar), or
+      None.
   """
   outer_opt_state: optax.OptState
   codec_state: object
   residuals: object
   round: jax.Array
+  in_flight: object = None
+  in_flight_valid: object = None
 
 
 def init(params, outer_tx: optax.GradientTransformation,
          num_islands: int | None = None, *,
          compression: compression_lib.Compression | None = None,
-         error_feedback: bool = False, seed: int = 0) -> DiLoCoState:
+         error_feedback: bool = False, one_step_delay: bool = False,
+         seed: int = 0) -> DiLoCoState:
   """The state before the first round, for the global `params`.
 
   `num_islands`: k for the stacked form (residuals stacked [k, ...]); None
   for the per-island form (each island holds its own residuals).
-  `seed` seeds the codec's initial state (low-rank bases).
+  `one_step_delay`: each round's mean is applied a round later, so its
+  collective can overlap the next round's inner steps (DiLoCoX); call
+  `flush` after the last round. `seed` seeds the codec's initial state
+  (low-rank bases).
   """
   residuals = None
   if error_feedback:
@@ -133,7 +143,10 @@ def init(params, outer_tx: optax.GradientTransformation,
   return DiLoCoState(
       outer_opt_state=outer_tx.init(params),
       codec_state=state_lib.init_codec_state(params, compression, seed),
-      residuals=residuals, round=jnp.zeros((), jnp.int32))
+      residuals=residuals, round=jnp.zeros((), jnp.int32),
+      in_flight=(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                              params) if one_step_delay else None),
+      in_flight_valid=jnp.zeros((), bool) if one_step_delay else None)
 
 
 def island_copies(params, num_islands: int):
@@ -166,7 +179,9 @@ def outer_update(global_params, island_params, state: DiLoCoState,
     (global_params, state, included): the new x (start every island from
     it: `island_copies`), the next state, and whether each island took
     part ([k], or this island's scalar). With no island taking part, x and
-    the state do not move.
+    the outer state do not move. With the one-step delay (`init`'s
+    one_step_delay) x steps on the previous round's mean and this round's
+    waits in the state.
   """
   compression = compression_lib.as_compression(compression)
   if axis_name is None:
@@ -193,11 +208,31 @@ def outer_update(global_params, island_params, state: DiLoCoState,
         global_params, island_params, state.residuals, state.codec_state,
         weight, compression, key, axes=axis_name)
     anyone = jax.lax.psum(included.astype(jnp.int32), axis_name) > 0
-  x, outer_opt_state = outer_step_lib.outer_update(
-      outer_tx, global_params, state.outer_opt_state, mean, anyone)
   state = state.replace(
-      outer_opt_state=outer_opt_state, residuals=residuals,
+      residuals=residuals, round=state.round + 1,
       codec_state=outer_step_lib.keep_unless(anyone, codec_state,
-                                             state.codec_state),
-      round=state.round + 1)
-  return x, state, included
+                                             state.codec_state))
+  if state.in_flight is None:
+    x, outer_opt_state = outer_step_lib.outer_update(
+        outer_tx, global_params, state.outer_opt_state, mean, anyone)
+    return x, state.replace(outer_opt_state=outer_opt_state), included
+  # One-step delay: x steps on last round's mean; this round's waits.
+  x, state = flush(global_params, state, outer_tx)
+  return x, state.replace(
+      in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), mean),
+      in_flight_valid=anyone), included
+
+
+def flush(global_params, state: DiLoCoState,
+          outer_tx: optax.GradientTransformation):
+  """With the one-step delay: (x, state) after the mean in flight is
+  applied (call it after the last round); without it, unchanged."""
+  if state.in_flight is None:
+    return global_params, state
+  x, outer_opt_state = outer_step_lib.outer_update(
+      outer_tx, global_params, state.outer_opt_state, state.in_flight,
+      state.in_flight_valid)
+  return x, state.replace(
+      outer_opt_state=outer_opt_state,
+      in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
+      in_flight_valid=jnp.zeros((), bool))
