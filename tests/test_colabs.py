@@ -18,9 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "colabs", "*.ipynb")))
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
   assert [os.path.basename(p) for p in NOTEBOOKS] == [
-      "01_quickstart.ipynb", "02_c4_repro.ipynb", "03_communication.ipynb"]
+      "01_quickstart.ipynb", "02_c4_repro.ipynb", "03_communication.ipynb",
+      "04_your_own_loop.ipynb"]
 
 
 def _with_quick_parameters(notebook, runs_dir: str):

@@ -129,3 +129,45 @@ def test_the_one_step_delay_equals_the_built_in_one():
   helpers.assert_trees_close(x, jax.device_get(flushed.global_params),
                              rtol=1e-6, atol=1e-7)
   assert not bool(state.in_flight_valid)
+
+
+@pytest.mark.parametrize("own_weight", [1.0, None], ids=["eager",
+                                                         "eager_share"])
+def test_eager_updates_equal_the_built_in_ones(own_weight):
+  """Three rounds (the first waiting for its own mean, as a warm-up
+  round does) of given island params, then the settle: every island's
+  point after each round and the final x equal make_outer_step's with
+  overlap 'eager' (own weight 1) or 'eager_share', and make_flush's."""
+  params, _ = helpers.tiny_problem(0)
+  params = jax.tree.map(np.array, params)
+  outer_tx = diloco.nesterov(0.7, 0.9)
+  overlap = "eager" if own_weight is not None else "eager_share"
+  rng = np.random.default_rng(1)
+  moves = [jax.tree.map(lambda p: rng.normal(
+      0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
+           for _ in range(3)]
+  weights = jnp.asarray([1.0, 2.0, 1.0, 1.0], jnp.float32)
+
+  mesh = mesh_lib.build_mesh(ISLANDS, 1)
+  built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
+                                  ISLANDS, overlap=overlap)
+  shardings = state_lib.state_shardings(built_in, mesh)
+  built_in = jax.device_put(built_in, shardings)
+  step = outer_step_lib.make_outer_step(outer_tx, mesh, overlap=overlap,
+                                        eager_own_weight=own_weight,
+                                        warmup_rounds=1)
+  points, state = diloco.eager_init(params, outer_tx, ISLANDS)
+  for r, move in enumerate(moves):
+    islands = jax.tree.map(jnp.subtract, points, move)
+    built_in = step(built_in.replace(island_params=jax.device_put(
+        islands, shardings.island_params)),
+                    jax.device_put(weights, NamedSharding(mesh, P("island"))))
+    points, state, _ = diloco.eager_update(
+        points, islands, state, outer_tx, weights=weights,
+        own_weight=own_weight, wait=r < 1)
+    helpers.assert_trees_close(points, jax.device_get(built_in.anchors),
+                               rtol=1e-6, atol=1e-7)
+  flushed = outer_step_lib.make_flush(outer_tx, mesh)(built_in)
+  x, _ = diloco.eager_settle(points, state, outer_tx)
+  helpers.assert_trees_close(x, jax.device_get(flushed.global_params),
+                             rtol=1e-6, atol=1e-7)

@@ -23,11 +23,13 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 
 __all__ = [
-    "DiLoCoState", "adam", "bytes_sent", "codec", "fedavg", "flush", "init",
+    "DiLoCoState", "EagerState", "adam", "bytes_sent", "codec", "eager_init",
+    "eager_settle", "eager_update", "fedavg", "flush", "init",
     "island_copies", "nesterov", "outer_update", "sgd", "sparseloco",
 ]
 
@@ -185,22 +187,9 @@ def outer_update(global_params, island_params, state: DiLoCoState,
   """
   compression = compression_lib.as_compression(compression)
   if axis_name is None:
-    num_islands = jax.tree.leaves(island_params)[0].shape[0]
-    weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
-               else jnp.asarray(weights, jnp.float32))
-    keys = (None if key is None else jax.random.split(key, num_islands))
-    sync = jax.vmap(
-        lambda y, e, w, k: outer_step_lib.sync_island(
-            global_params, y, e, state.codec_state, w, compression, k,
-            axes=_STACKED_AXIS),
-        in_axes=(0, None if state.residuals is None else 0, 0,
-                 None if keys is None else 0),
-        axis_name=_STACKED_AXIS)
-    mean, residuals, codec_state, included, _ = sync(
-        island_params, state.residuals, weights, keys)
-    # The mean and codec state are the same on every island: take one.
-    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    mean, codec_state = first(mean), first(codec_state)
+    mean, residuals, codec_state, included, _ = _stacked_sync(
+        global_params, False, island_params, state, weights, compression,
+        key)
     anyone = jnp.any(included)
   else:
     weight = jnp.asarray(1.0 if weights is None else weights, jnp.float32)
@@ -223,6 +212,29 @@ def outer_update(global_params, island_params, state: DiLoCoState,
       in_flight_valid=anyone), included
 
 
+def _stacked_sync(reference, per_island_reference: bool, island_params,
+                  state, weights, compression, key):
+  """sync_island over stacked islands (a vmap naming their axis): the
+  mean and codec state (the same on every island: one copy), and per
+  island its residual, whether it took part and was finite."""
+  num_islands = jax.tree.leaves(island_params)[0].shape[0]
+  weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
+             else jnp.asarray(weights, jnp.float32))
+  keys = None if key is None else jax.random.split(key, num_islands)
+  sync = jax.vmap(
+      lambda x, y, e, w, k: outer_step_lib.sync_island(
+          x, y, e, state.codec_state, w, compression, k,
+          axes=_STACKED_AXIS),
+      in_axes=(0 if per_island_reference else None, 0,
+               None if state.residuals is None else 0, 0,
+               None if keys is None else 0),
+      axis_name=_STACKED_AXIS)
+  mean, residuals, codec_state, included, finite = sync(
+      reference, island_params, state.residuals, weights, keys)
+  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+  return first(mean), residuals, first(codec_state), included, finite
+
+
 def flush(global_params, state: DiLoCoState,
           outer_tx: optax.GradientTransformation):
   """With the one-step delay: (x, state) after the mean in flight is
@@ -236,3 +248,116 @@ def flush(global_params, state: DiLoCoState,
       outer_opt_state=outer_opt_state,
       in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
       in_flight_valid=jnp.zeros((), bool))
+
+
+class EagerState(flax.struct.PyTreeNode):
+  """What eager updates carry from round to round (stacked form).
+
+  Attributes:
+    outer_opt_states: each island's own outer optimizer state [k, ...].
+    codec_state, residuals, round: as in DiLoCoState.
+    in_flight, in_flight_valid: the last round's mean, still crossing the
+      link while the islands train the next round.
+    own_shares: u_m, each island's part of the mean it sent last round
+      [k, ...] (float32).
+  """
+  outer_opt_states: optax.OptState
+  codec_state: object
+  residuals: object
+  round: jax.Array
+  in_flight: object
+  in_flight_valid: jax.Array
+  own_shares: object
+
+
+def eager_init(params, outer_tx: optax.GradientTransformation,
+               num_islands: int, *,
+               compression: compression_lib.Compression | None = None,
+               error_feedback: bool = False, seed: int = 0):
+  """Eager updates' start: (points, EagerState). Every island keeps its
+  own point x_m (`points`, [k, ...], all `params` at first) and outer
+  state, and starts each round from its point."""
+  points = state_lib.stack_islands(params, num_islands)
+  zeros32 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  return points, EagerState(
+      outer_opt_states=jax.vmap(outer_tx.init)(points),
+      codec_state=state_lib.init_codec_state(params, compression, seed),
+      residuals=(state_lib.stack_islands(jax.tree.map(jnp.zeros_like,
+                                                      params), num_islands)
+                 if error_feedback else None),
+      round=jnp.zeros((), jnp.int32), in_flight=zeros32,
+      in_flight_valid=jnp.zeros((), bool),
+      own_shares=state_lib.stack_islands(zeros32, num_islands))
+
+
+def eager_update(points, island_params, state: EagerState,
+                 outer_tx: optax.GradientTransformation, *, weights=None,
+                 compression: compression_lib.Compression | None = None,
+                 own_weight: float | None = 1.0, wait: bool = False,
+                 key: jax.Array | None = None):
+  """Eager updates' round end (stacked islands): the collective of the
+  pseudo-gradients x_m - y_m starts, and each island steps its own point
+  at once on D(r-1) - u_m(r-1) + u_m(r): the mean that has had this round
+  to arrive, with its stale share of it swapped for its fresh one, so no
+  island waits for the link.
+
+  Args:
+    points: x_m [k, ...], where each island started this round.
+    island_params: y_m [k, ...] after the inner steps.
+    state: from eager_init or the previous call.
+    outer_tx: each island's outer optimizer.
+    weights: [k] (default 1); 0 or a non-finite pseudo-gradient leaves an
+      island out.
+    compression: the codec (default fp32).
+    own_weight: the weight of an island's own fresh pseudo-gradient in its
+      step (1: its whole round at once); None: its share w_m / sum w of
+      the mean (the paper's rule).
+    wait: this round waits for its own mean (a warm-up round): every
+      island steps on D(r), as DiLoCo's x does.
+    key: PRNG key for stochastic rounding, or None.
+
+  Returns:
+    (points, state, included): the islands' next starting points [k, ...],
+    the next state, which islands took part [k].
+  """
+  compression = compression_lib.as_compression(compression)
+  landed, landed_valid = state.in_flight, state.in_flight_valid
+  mean, residuals, codec_state, included, finite = _stacked_sync(
+      points, True, island_params, state, weights, compression, key)
+  anyone = jnp.any(included)
+  num_islands = included.shape[0]
+  weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
+             else jnp.asarray(weights, jnp.float32))
+  pseudo_grads = jax.tree.map(
+      lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
+      points, island_params)
+  shares = overlap_lib.own_shares(pseudo_grads, weights,
+                                  finite & (weights > 0), own_weight)
+  updates = overlap_lib.eager_updates(landed, landed_valid,
+                                      state.own_shares, shares)
+  mean = jax.tree.map(lambda m: m.astype(jnp.float32), mean)
+  if wait:
+    updates, shares = overlap_lib.block_on_mean(True, mean, anyone,
+                                                updates, shares)
+  points, outer_opt_states = outer_step_lib.island_outer_steps(
+      outer_tx, points, state.outer_opt_states, updates)
+  return points, state.replace(
+      outer_opt_states=outer_opt_states, residuals=residuals,
+      codec_state=outer_step_lib.keep_unless(anyone, codec_state,
+                                             state.codec_state),
+      round=state.round + 1, in_flight=mean, in_flight_valid=anyone,
+      own_shares=shares), included
+
+
+def eager_settle(points, state: EagerState,
+                 outer_tx: optax.GradientTransformation):
+  """The end of an eager run: the last mean lands, each island steps on
+  the rest of it, and the islands' average is the model: (x, its outer
+  optimizer state)."""
+  updates = overlap_lib.eager_updates(
+      state.in_flight, state.in_flight_valid, state.own_shares,
+      jax.tree.map(jnp.zeros_like, state.own_shares))
+  points, outer_opt_states = outer_step_lib.island_outer_steps(
+      outer_tx, points, state.outer_opt_states, updates)
+  return (state_lib.islands_average(points),
+          state_lib.islands_average(outer_opt_states))

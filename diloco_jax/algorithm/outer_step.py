@@ -258,22 +258,23 @@ def eager_islands(outer_opt: optax.GradientTransformation,
                                       shares)
   if waited is not None:
     updates, shares = overlap_lib.block_on_mean(*waited, updates, shares)
-  anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
-                                              stages)
+  anchors, outer_states = island_outer_steps(
+      outer_opt, state.anchors, state.island_outer_opt_state, updates, stages)
   return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
                        own_shares=shares)
 
 
-def _island_outer_steps(outer_opt, state: TrainState, updates, stages: int):
-  """(x_m, outer states) after every island's own outer step on its
-  `updates` [islands, ...]; an island whose update is zero does not step."""
+def island_outer_steps(outer_opt: optax.GradientTransformation, points,
+                       outer_states, updates, stages: int = 1):
+  """(x_m, outer states) [islands, ...] after every island's own outer step
+  from its point x_m on its `updates` (eager updates); an island whose
+  update is zero does not step (momentum alone would move it)."""
   def one_island(x, opt_state, update):
     moves = jnp.any(jnp.stack([jnp.any(u != 0)
                                for u in jax.tree.leaves(update)]))
     return outer_update(outer_opt, x, opt_state, update, moves, stages)
 
-  return jax.vmap(one_island)(state.anchors, state.island_outer_opt_state,
-                              updates)
+  return jax.vmap(one_island)(points, outer_states, updates)
 
 
 def settle_eager(outer_opt: optax.GradientTransformation,
@@ -287,8 +288,8 @@ def settle_eager(outer_opt: optax.GradientTransformation,
   updates = overlap_lib.eager_updates(
       state.in_flight, state.in_flight_valid, state.own_shares,
       jax.tree.map(jnp.zeros_like, state.own_shares))
-  anchors, outer_states = _island_outer_steps(outer_opt, state, updates,
-                                              stages)
+  anchors, outer_states = island_outer_steps(
+      outer_opt, state.anchors, state.island_outer_opt_state, updates, stages)
   state = state.replace(anchors=anchors, island_outer_opt_state=outer_states)
   x, outer_state = state_lib.eager_consensus(state)
   islands = state_lib.num_islands(state)

@@ -317,12 +317,17 @@ def eager_consensus(state: TrainState):
   full-precision mean over the islands (an fp32 all-reduce of the params
   across the island link), so runs form it to evaluate, to start new
   islands and at the end, never in a round."""
-  def mean(tree):
-    return jax.tree.map(
-        lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
-                   if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
-        tree)
-  return mean(state.anchors), mean(state.island_outer_opt_state)
+  return (islands_average(state.anchors),
+          islands_average(state.island_outer_opt_state))
+
+
+def islands_average(tree):
+  """The float32 mean over the leading islands axis of every floating
+  leaf (in its dtype); other leaves (step counts) from island 0."""
+  return jax.tree.map(
+      lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
+                 if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
+      tree)
 
 
 def evaluation_params(state: TrainState, mode: str):
