@@ -23,7 +23,6 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 
@@ -328,19 +327,12 @@ def eager_update(points, island_params, state: EagerState,
   num_islands = included.shape[0]
   weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
              else jnp.asarray(weights, jnp.float32))
-  pseudo_grads = jax.tree.map(
-      lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
-      points, island_params)
-  shares = overlap_lib.own_shares(pseudo_grads, weights,
-                                  finite & (weights > 0), own_weight)
-  updates = overlap_lib.eager_updates(landed, landed_valid,
-                                      state.own_shares, shares)
   mean = jax.tree.map(lambda m: m.astype(jnp.float32), mean)
-  if wait:
-    updates, shares = overlap_lib.block_on_mean(True, mean, anyone,
-                                                updates, shares)
-  points, outer_opt_states = outer_step_lib.island_outer_steps(
-      outer_tx, points, state.outer_opt_states, updates)
+  points, outer_opt_states, shares = outer_step_lib.eager_steps(
+      outer_tx, points, island_params, state.outer_opt_states,
+      state.own_shares, landed, landed_valid, weights,
+      finite & (weights > 0), own_weight=own_weight,
+      waited=(True, mean, anyone) if wait else None)
   return points, state.replace(
       outer_opt_states=outer_opt_states, residuals=residuals,
       codec_state=outer_step_lib.keep_unless(anyone, codec_state,
@@ -354,10 +346,8 @@ def eager_settle(points, state: EagerState,
   """The end of an eager run: the last mean lands, each island steps on
   the rest of it, and the islands' average is the model: (x, its outer
   optimizer state)."""
-  updates = overlap_lib.eager_updates(
-      state.in_flight, state.in_flight_valid, state.own_shares,
-      jax.tree.map(jnp.zeros_like, state.own_shares))
-  points, outer_opt_states = outer_step_lib.island_outer_steps(
-      outer_tx, points, state.outer_opt_states, updates)
+  points, outer_opt_states = outer_step_lib.eager_last_steps(
+      outer_tx, points, state.outer_opt_states, state.own_shares,
+      state.in_flight, state.in_flight_valid)
   return (state_lib.islands_average(points),
           state_lib.islands_average(outer_opt_states))

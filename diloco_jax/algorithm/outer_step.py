@@ -250,18 +250,45 @@ def eager_islands(outer_opt: optax.GradientTransformation,
   Returns `state` with x_m(r) as the anchors (where next_round starts
   the islands), the islands' outer states and u_m(r).
   """
+  anchors, outer_states, shares = eager_steps(
+      outer_opt, state.anchors, state.island_params,
+      state.island_outer_opt_state, state.own_shares, landed, landed_valid,
+      weights, sends, stages, own_weight, waited)
+  return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
+                       own_shares=shares)
+
+
+def eager_steps(outer_opt: optax.GradientTransformation, points,
+                island_params, outer_states, old_shares, landed,
+                landed_valid, weights, sends, stages: int = 1,
+                own_weight: float | None = None, waited=None):
+  """Eager updates' rule on stacked islands [islands, ...] (see
+  eager_islands): each island's point x_m steps with its own outer state
+  on D(r-1) - u_m(r-1) + u_m(r), u_m(r) from its fresh pseudo-gradient
+  x_m - y_m. Returns (points, outer_states, shares u_m(r))."""
   pseudo_grads = jax.tree.map(
       lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
-      state.anchors, state.island_params)
+      points, island_params)
   shares = overlap_lib.own_shares(pseudo_grads, weights, sends, own_weight)
-  updates = overlap_lib.eager_updates(landed, landed_valid, state.own_shares,
+  updates = overlap_lib.eager_updates(landed, landed_valid, old_shares,
                                       shares)
   if waited is not None:
     updates, shares = overlap_lib.block_on_mean(*waited, updates, shares)
-  anchors, outer_states = island_outer_steps(
-      outer_opt, state.anchors, state.island_outer_opt_state, updates, stages)
-  return state.replace(anchors=anchors, island_outer_opt_state=outer_states,
-                       own_shares=shares)
+  points, outer_states = island_outer_steps(outer_opt, points, outer_states,
+                                            updates, stages)
+  return points, outer_states, shares
+
+
+def eager_last_steps(outer_opt: optax.GradientTransformation, points,
+                     outer_states, shares, in_flight, in_flight_valid,
+                     stages: int = 1):
+  """The end of an eager run on stacked islands: the last mean lands and
+  each island steps its point on the rest of it, D(R) - u_m(R) (exactly
+  zero with one island). Returns (points, outer_states)."""
+  updates = overlap_lib.eager_updates(
+      in_flight, in_flight_valid, shares,
+      jax.tree.map(jnp.zeros_like, shares))
+  return island_outer_steps(outer_opt, points, outer_states, updates, stages)
 
 
 def island_outer_steps(outer_opt: optax.GradientTransformation, points,
@@ -285,11 +312,9 @@ def settle_eager(outer_opt: optax.GradientTransformation,
   Then every island, x and the outer state become the islands' average
   (state.eager_consensus), so the islands agree again and a run extended later
   starts anew; the slot in flight and the shares are spent."""
-  updates = overlap_lib.eager_updates(
-      state.in_flight, state.in_flight_valid, state.own_shares,
-      jax.tree.map(jnp.zeros_like, state.own_shares))
-  anchors, outer_states = island_outer_steps(
-      outer_opt, state.anchors, state.island_outer_opt_state, updates, stages)
+  anchors, outer_states = eager_last_steps(
+      outer_opt, state.anchors, state.island_outer_opt_state,
+      state.own_shares, state.in_flight, state.in_flight_valid, stages)
   state = state.replace(anchors=anchors, island_outer_opt_state=outer_states)
   x, outer_state = state_lib.eager_consensus(state)
   islands = state_lib.num_islands(state)
