@@ -95,7 +95,8 @@ def test_outer_update_equals_the_built_in_outer_step(codec_name):
 
 def test_the_one_step_delay_equals_the_built_in_one():
   """Two rounds of given island params, then the flush: x after each
-  equals make_outer_step(overlap='one_step_delay') and make_flush's."""
+  equals make_outer_step(overlap='one_step_delay') and make_flush's,
+  stacked and per island inside shard_map."""
   params, _ = helpers.tiny_problem(0)
   params = jax.tree.map(np.array, params)
   outer_tx = diloco.nesterov(0.7, 0.9)
@@ -103,7 +104,7 @@ def test_the_one_step_delay_equals_the_built_in_one():
   moves = [jax.tree.map(lambda p: rng.normal(
       0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
            for _ in range(2)]
-  weights = jnp.ones((ISLANDS,), jnp.float32)
+  weights = jnp.asarray([1.0, 2.0, 1.0, 1.0], jnp.float32)
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
   built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
@@ -129,6 +130,28 @@ def test_the_one_step_delay_equals_the_built_in_one():
   helpers.assert_trees_close(x, jax.device_get(flushed.global_params),
                              rtol=1e-6, atol=1e-7)
   assert not bool(state.in_flight_valid)
+
+  # Per island, inside shard_map: the same two rounds and the flush.
+  islands_mesh = jax.sharding.Mesh(np.array(jax.devices()[:ISLANDS]),
+                                   ("islands",))
+
+  def per_island(moves, weights):
+    x = params
+    state = diloco.init(params, outer_tx, one_step_delay=True)
+    for move in moves:
+      x, state, _ = diloco.outer_update(
+          x, jax.tree.map(lambda a, m: a - m[0], x, move), state, outer_tx,
+          weights=weights[0], axis_name="islands")
+    return diloco.flush(x, state, outer_tx)[0]
+
+  on_islands = NamedSharding(islands_mesh, P("islands"))
+  sharded = jax.jit(jax.shard_map(
+      per_island, mesh=islands_mesh, in_specs=(P("islands"), P("islands")),
+      out_specs=P(), check_vma=False))
+  helpers.assert_trees_close(
+      sharded(jax.device_put(moves, on_islands),
+              jax.device_put(weights, on_islands)),
+      jax.device_get(flushed.global_params), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("own_weight", [1.0, None], ids=["eager",
