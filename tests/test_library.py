@@ -93,18 +93,24 @@ def test_outer_update_equals_the_built_in_outer_step(codec_name):
       expected, rtol=1e-6, atol=1e-7)
 
 
+def _rounds_of_moves(rounds: int, seed: int):
+  """(x, per round the islands' moves from their start [k, ...], unequal
+  island weights): island params given round by round, no training."""
+  params, _ = helpers.tiny_problem(0)
+  params = jax.tree.map(np.array, params)
+  rng = np.random.default_rng(seed)
+  moves = [jax.tree.map(lambda p: rng.normal(
+      0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
+           for _ in range(rounds)]
+  return params, moves, jnp.asarray([1.0, 2.0, 1.0, 1.0], jnp.float32)
+
+
 def test_the_one_step_delay_equals_the_built_in_one():
   """Two rounds of given island params, then the flush: x after each
   equals make_outer_step(overlap='one_step_delay') and make_flush's,
   stacked and per island inside shard_map."""
-  params, _ = helpers.tiny_problem(0)
-  params = jax.tree.map(np.array, params)
+  params, moves, weights = _rounds_of_moves(2, seed=0)
   outer_tx = diloco.nesterov(0.7, 0.9)
-  rng = np.random.default_rng(0)
-  moves = [jax.tree.map(lambda p: rng.normal(
-      0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
-           for _ in range(2)]
-  weights = jnp.asarray([1.0, 2.0, 1.0, 1.0], jnp.float32)
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
   built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
@@ -161,15 +167,9 @@ def test_eager_updates_equal_the_built_in_ones(own_weight):
   round does) of given island params, then the settle: every island's
   point after each round and the final x equal make_outer_step's with
   overlap 'eager' (own weight 1) or 'eager_share', and make_flush's."""
-  params, _ = helpers.tiny_problem(0)
-  params = jax.tree.map(np.array, params)
+  params, moves, weights = _rounds_of_moves(3, seed=1)
   outer_tx = diloco.nesterov(0.7, 0.9)
   overlap = "eager" if own_weight is not None else "eager_share"
-  rng = np.random.default_rng(1)
-  moves = [jax.tree.map(lambda p: rng.normal(
-      0, 1e-2, (ISLANDS,) + p.shape).astype(np.float32), params)
-           for _ in range(3)]
-  weights = jnp.asarray([1.0, 2.0, 1.0, 1.0], jnp.float32)
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
   built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,

@@ -8,6 +8,8 @@ optax optimizers, a mesh and typed settings.
                     what the codec and overlap carry (the checkpoint format).
   inner_step.py     every island's optimizer step at once (ddp: with the
                     gradients averaged).
+  island_sync.py    each island's pseudo-gradient through the codec into
+                    the cross-island mean (the outer step's collective).
   outer_step.py     the outer step: pseudo-gradients through the codec
                     into the cross-island mean, the outer optimizer, the
                     islands reset; and its pieces for other placements.

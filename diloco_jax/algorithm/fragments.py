@@ -26,6 +26,7 @@ import optax
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 
@@ -157,7 +158,7 @@ def make_send_parts(outer_opt: optax.GradientTransformation, sync):
   the core of a fragment's send wherever it runs.
 
   `island_leaves` are the fragment's leaves of every island's params
-  (stacked along the island axis); `sync` is outer_step_lib.make_island_sync's.
+  (stacked along the island axis); `sync` is island_sync_lib.make_island_sync's.
   The pseudo-gradients go through the codec (the fragment's residuals and
   codec state only) and the outer optimizer steps x with the weighted mean;
   islands with weight 0 or a non-finite pseudo-gradient are left out, and a
@@ -191,7 +192,7 @@ def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
   in later.
   """
   compression = compression_lib.as_compression(compression)
-  send_parts = make_send_parts(outer_opt, outer_step_lib.make_island_sync(
+  send_parts = make_send_parts(outer_opt, island_sync_lib.make_island_sync(
       mesh, compression, rounding_seed, fsdp))
 
   def send(state: state_lib.TrainState, weights: jax.Array):

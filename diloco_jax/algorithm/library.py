@@ -11,7 +11,7 @@ island from the result. Each call works in two forms:
   per island  inside shard_map (or pmap), each call sees one island's
               trees; `axis_name` names the islands' axis.
 
-The built-in runs use these same pieces (outer_step.sync_island is the
+The built-in runs use these same pieces (island_sync.sync_island is the
 collective of both), so a hand-written loop computes what
 `python -m diloco_jax.main` computes. docs/library.md shows a loop.
 """
@@ -22,6 +22,7 @@ import optax
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
@@ -192,7 +193,7 @@ def outer_update(global_params, island_params, state: DiLoCoState,
     anyone = jnp.any(included)
   else:
     weight = jnp.asarray(1.0 if weights is None else weights, jnp.float32)
-    mean, residuals, codec_state, included, _ = outer_step_lib.sync_island(
+    mean, residuals, codec_state, included, _ = island_sync_lib.sync_island(
         global_params, island_params, state.residuals, state.codec_state,
         weight, compression, key, axes=axis_name)
     anyone = jax.lax.psum(included.astype(jnp.int32), axis_name) > 0
@@ -221,7 +222,7 @@ def _stacked_sync(reference, per_island_reference: bool, island_params,
              else jnp.asarray(weights, jnp.float32))
   keys = None if key is None else jax.random.split(key, num_islands)
   sync = jax.vmap(
-      lambda x, y, e, w, k: outer_step_lib.sync_island(
+      lambda x, y, e, w, k: island_sync_lib.sync_island(
           x, y, e, state.codec_state, w, compression, k,
           axes=_STACKED_AXIS),
       in_axes=(0 if per_island_reference else None, 0,

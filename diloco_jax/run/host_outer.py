@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
@@ -367,7 +368,7 @@ def build(outer_devices, islands: int, compute_mesh,
   would.
   """
   mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
-  sync = outer_step_lib.make_island_sync(
+  sync = island_sync_lib.make_island_sync(
       mesh, compression, rounding_seed,
       stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
       reference_per_island=overlap_lib.anchored(overlap))
