@@ -3,7 +3,10 @@ built from them. No I/O, no config, no mesh construction: builders take
 optax optimizers, a mesh and typed settings.
 
   library.py        the public API: DiLoCo's outer step for any JAX
-                    loop (docs/library.md), built from the pieces below.
+                    loop (docs/library.md), built from the pieces below:
+                    library_diloco.py (outer optimizers, codecs by name,
+                    the compressed mean, the outer update, the delay),
+                    library_eager.py, library_streaming.py.
   state.py          TrainState: x, the islands, their optimizer states and
                     what the codec and overlap carry (the checkpoint format).
   inner_step.py     every island's optimizer step at once (ddp: with the

@@ -17,7 +17,6 @@ With one fragment, tau = 0 and alpha = 0 this is DiLoCo's outer step. The
 host-side order of sends and merges is schedule.py's.
 """
 
-import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -43,7 +42,7 @@ def leaf_fragments(params, num_fragments: int) -> tuple[int, ...]:
     ValueError: P is not in [1, number of blocks].
   """
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  layers = [_block_index(path) for path in paths]
+  layers = [block_index(path) for path in paths]
   num_layers = max((i for i in layers if i is not None), default=-1) + 1
   if not 1 <= num_fragments <= max(num_layers, 1):
     raise ValueError(f"{num_fragments} fragments need 1 to {num_layers} "
@@ -59,7 +58,7 @@ def leaf_fragments(params, num_fragments: int) -> tuple[int, ...]:
   return tuple(assignment)
 
 
-def _block_index(path) -> int | None:
+def block_index(path) -> int | None:
   """i for a leaf under ['blocks'][i], else None."""
   for key, index in zip(path, path[1:]):
     if isinstance(key, jax.tree_util.DictKey) and key.key == "blocks":
@@ -170,15 +169,14 @@ def make_send_parts(outer_opt: optax.GradientTransformation, sync):
         parts.x, island_leaves, parts.residuals, parts.codec_state, weights,
         send_index)
     anyone = jnp.any(included)
-    keep_unless_anyone = functools.partial(outer_step_lib.keep_unless, anyone)
-    updates, outer_state = outer_opt.update(mean, parts.outer_opt_state,
-                                            parts.x)
+    x, outer_state = outer_step_lib.outer_update(
+        outer_opt, parts.x, parts.outer_opt_state, mean, anyone)
     return FragmentParts(
-        keep_unless_anyone(optax.apply_updates(parts.x, updates), parts.x),
-        keep_unless_anyone(outer_state, parts.outer_opt_state),
+        x, outer_state,
         residuals,  # an island left out keeps its own (make_island_sync)
         (None if codec_state is None
-         else keep_unless_anyone(codec_state, parts.codec_state)))
+         else outer_step_lib.keep_unless(anyone, codec_state,
+                                         parts.codec_state)))
 
   return send
 
@@ -216,6 +214,22 @@ def send_index(step, num_fragments: int, fragment: int):
   return step * num_fragments + fragment
 
 
+def blend(x_leaves, island_leaves, alpha: float) -> list:
+  """A fragment's merge: every island's leaves become alpha * y + (1 -
+  alpha) * x, stacked [islands, ...] like `island_leaves`; an island whose
+  fragment is not finite (it diverged) takes x as it is."""
+  islands = island_leaves[0].shape[0]
+  finite = jax.vmap(guards.all_finite)(island_leaves)
+
+  def one(x_leaf, y_leaf):
+    keep = jnp.where(finite, alpha, 0.0).astype(y_leaf.dtype)
+    keep = keep.reshape((islands,) + (1,) * x_leaf.ndim)
+    y_leaf = jnp.where(finite.reshape(keep.shape), y_leaf, 0)
+    return (keep * y_leaf + (1 - keep) * x_leaf[None]).astype(y_leaf.dtype)
+
+  return [one(x, y) for x, y in zip(x_leaves, island_leaves)]
+
+
 def make_fragment_merge(mesh, num_fragments: int, fragment: int,
                         alpha: float, fsdp: bool = False,
                         inner_opt: optax.GradientTransformation | None = None):
@@ -239,17 +253,8 @@ def make_fragment_merge(mesh, num_fragments: int, fragment: int,
           state.global_params, assignment, fragment, x))
     x = select(state.global_params, assignment, fragment)
     y = select(state.island_params, assignment, fragment)
-    islands = state_lib.num_islands(state)
-    finite = jax.vmap(guards.all_finite)(y)
-
-    def blend(x_leaf, y_leaf):
-      keep = jnp.where(finite, alpha, 0.0).astype(y_leaf.dtype)
-      keep = keep.reshape((islands,) + (1,) * x_leaf.ndim)
-      y_leaf = jnp.where(finite.reshape(keep.shape), y_leaf, 0)
-      return (keep * y_leaf + (1 - keep) * x_leaf[None]).astype(y_leaf.dtype)
-
     island_params = replace(state.island_params, assignment, fragment,
-                            [blend(a, b) for a, b in zip(x, y)])
+                            blend(x, y, alpha))
     inner_opt_state = state.inner_opt_state
     if inner_opt is not None:
       params_ok = jax.vmap(guards.all_finite)(island_params)

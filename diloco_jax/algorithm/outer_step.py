@@ -131,15 +131,19 @@ def eager_islands(outer_opt: optax.GradientTransformation,
 def eager_steps(outer_opt: optax.GradientTransformation, points,
                 island_params, outer_states, old_shares, landed,
                 landed_valid, weights, sends, stages: int = 1,
-                own_weight: float | None = None, waited=None):
+                own_weight: float | None = None, waited=None,
+                total_weight=None):
   """Eager updates' rule on stacked islands [islands, ...] (see
   eager_islands): each island's point x_m steps with its own outer state
   on D(r-1) - u_m(r-1) + u_m(r), u_m(r) from its fresh pseudo-gradient
-  x_m - y_m. Returns (points, outer_states, shares u_m(r))."""
+  x_m - y_m. Returns (points, outer_states, shares u_m(r)).
+  `total_weight`: the islands' total weight where `weights` are only some
+  of them (default their sum)."""
   pseudo_grads = jax.tree.map(
       lambda a, y: a.astype(jnp.float32) - y.astype(jnp.float32),
       points, island_params)
-  shares = overlap_lib.own_shares(pseudo_grads, weights, sends, own_weight)
+  shares = overlap_lib.own_shares(pseudo_grads, weights, sends, own_weight,
+                                  total_weight)
   updates = overlap_lib.eager_updates(landed, landed_valid, old_shares,
                                       shares)
   if waited is not None:

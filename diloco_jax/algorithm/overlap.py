@@ -91,14 +91,15 @@ def anchored(overlap: str) -> bool:
 
 
 def own_shares(pseudo_grads, weights: jax.Array, sends: jax.Array,
-               own_weight: float | None = None):
+               own_weight: float | None = None, total=None):
   """u_m = w_m d_m / sum_j w_j per island (stacked like `pseudo_grads`, in
   float32): each island's share of the mean it is about to send, or
   u_m = own_weight * d_m; 0 for an island not in `sends` [islands] (no
   weight, or a pseudo-gradient that is not finite).
 
   The total is over the weights every island knows before the collective
-  (the round's schedule). The landed mean is normalized over the islands
+  (the round's schedule): sum(weights), or `total` where the stacked
+  islands are a part of them (one island's, inside shard_map). The landed mean is normalized over the islands
   that took part and replaces these shares a round later, so a difference
   between the two lasts one round.
 
@@ -109,7 +110,7 @@ def own_shares(pseudo_grads, weights: jax.Array, sends: jax.Array,
   round. Between the two, each island's point holds part of both.
   """
   if own_weight is None:
-    total = jnp.sum(weights)
+    total = jnp.sum(weights) if total is None else total
     share = jnp.where(sends, weights / jnp.where(total > 0, total, 1.0), 0.0)
   else:
     share = jnp.where(sends, jnp.float32(own_weight), 0.0)

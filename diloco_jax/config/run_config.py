@@ -13,11 +13,10 @@ import dataclasses
 import ml_collections
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import library
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import participation as participation_lib
 from diloco_jax.algorithm import schedule as schedule_lib
-from diloco_jax.codecs import dense as dense_codecs
-from diloco_jax.codecs import lowrank
 from diloco_jax.data import settings as data_settings
 from diloco_jax.parallel import stages as stages_lib
 
@@ -143,31 +142,22 @@ def is_streaming(diloco_config) -> bool:
 
 
 def compression(diloco_config) -> compression_lib.Compression:
-  """The Compression config.diloco describes (codec and settings)."""
+  """The Compression config.diloco describes (codec and settings), built
+  as the library builds one (library.codec)."""
   c = diloco_config
-  block = c.codec_block_size
   if c.outer_optimizer.name == compression_lib.SPARSELOCO:
     s = c.sparseloco
-    return compression_lib.Compression(
-        compression_lib.SPARSELOCO, dense_codecs.make_codec("fp32", block),
-        chunk_size=s.chunk_size, density=s.density, value_bits=s.bits,
-        feedback_decay=s.beta)
-  if c.codec in dense_codecs.DENSE_CODECS:
-    return compression_lib.Compression(
-        c.codec, dense_codecs.make_codec(c.codec, block))
-  fallback = dense_codecs.make_codec(c.fallback_codec, block)
-  if c.codec == "lowrank":
-    return compression_lib.Compression(c.codec, fallback,
-                                       ranks=(c.lowrank.rank,))
-  if c.codec == "adaptive_lowrank":
-    return compression_lib.Compression(
-        c.codec, fallback,
-        ranks=lowrank.rank_ladder(c.lowrank.min_rank, c.lowrank.max_rank),
-        energy_fraction=c.lowrank.energy_fraction,
-        factor_codec=dense_codecs.make_codec(c.lowrank.factor_codec, block))
-  return compression_lib.Compression(c.codec, fallback,
-                                     prune_rate=c.prune_rate,
-                                     topk_fraction=c.topk_fraction)
+    return library.codec(compression_lib.SPARSELOCO,
+                         block_size=c.codec_block_size,
+                         chunk_size=s.chunk_size, density=s.density,
+                         bits=s.bits, beta=s.beta)
+  return library.codec(
+      c.codec, block_size=c.codec_block_size, fallback=c.fallback_codec,
+      prune_rate=c.prune_rate, topk_fraction=c.topk_fraction,
+      rank=(c.lowrank.max_rank if c.codec == "adaptive_lowrank"
+            else c.lowrank.rank),
+      min_rank=c.lowrank.min_rank, energy_fraction=c.lowrank.energy_fraction,
+      factor_codec=c.lowrank.factor_codec)
 
 
 def inner_optimizer(inner_config) -> optimizers.InnerSettings:

@@ -1,0 +1,154 @@
+"""The library's eager updates (re-exported by library.py): each island
+keeps its own outer point and steps it at once on the mean that has had a
+round to arrive, its stale share swapped for its fresh pseudo-gradient, so
+no island waits for the link. Both forms: stacked islands [k, ...], or one
+island inside shard_map with `axis_name`.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import library_diloco
+from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import state as state_lib
+
+
+class EagerState(flax.struct.PyTreeNode):
+  """What eager updates carry from round to round.
+
+  Attributes:
+    outer_opt_states: each island's own outer optimizer state ([k, ...]
+      stacked, or this island's).
+    codec_state, residuals, round: as in DiLoCoState.
+    in_flight, in_flight_valid: the last round's mean (float32, one copy),
+      still crossing the link while the islands train the next round.
+    own_shares: u_m, each island's part of the mean it sent last round
+      (float32; [k, ...] or this island's).
+  """
+  outer_opt_states: optax.OptState
+  codec_state: object
+  residuals: object
+  round: jax.Array
+  in_flight: object
+  in_flight_valid: jax.Array
+  own_shares: object
+
+
+def eager_init(params, outer_tx: optax.GradientTransformation,
+               num_islands: int | None = None, *,
+               compression: compression_lib.Compression | None = None,
+               error_feedback: bool = False, seed: int = 0):
+  """Eager updates' start: (points, EagerState). Every island keeps its
+  own point x_m (`points`: all `params` at first; [k, ...] for
+  `num_islands` k, or this island's with None, the per-island form) and
+  its own outer state, and starts each round from its point."""
+  per_island = ((lambda tree: tree) if num_islands is None else
+                (lambda tree: state_lib.stack_islands(tree, num_islands)))
+  points = per_island(params)
+  zeros32 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  outer_states = (outer_tx.init(points) if num_islands is None
+                  else jax.vmap(outer_tx.init)(points))
+  return points, EagerState(
+      outer_opt_states=outer_states,
+      codec_state=state_lib.init_codec_state(params, compression, seed),
+      residuals=(per_island(jax.tree.map(jnp.zeros_like, params))
+                 if error_feedback else None),
+      round=jnp.zeros((), jnp.int32), in_flight=zeros32,
+      in_flight_valid=jnp.zeros((), bool), own_shares=per_island(zeros32))
+
+
+def eager_update(points, island_params, state: EagerState,
+                 outer_tx: optax.GradientTransformation, *, weights=None,
+                 compression: compression_lib.Compression | None = None,
+                 own_weight: float | None = 1.0, wait: bool = False,
+                 axis_name: str | None = None, key: jax.Array | None = None):
+  """Eager updates' round end: the collective of the pseudo-gradients
+  x_m - y_m starts, and each island steps its own point at once on
+  D(r-1) - u_m(r-1) + u_m(r): the mean that has had this round to arrive,
+  with its stale share of it swapped for its fresh one.
+
+  Args:
+    points: x_m, where each island started this round ([k, ...] stacked,
+      or this island's inside shard_map).
+    island_params: y_m after the inner steps, shaped like `points`.
+    state: from eager_init or the previous call.
+    outer_tx: each island's outer optimizer.
+    weights: [k] or this island's scalar (default 1); 0 or a non-finite
+      pseudo-gradient leaves an island out.
+    compression: the codec (default fp32).
+    own_weight: the weight of an island's own fresh pseudo-gradient in its
+      step (1: its whole round at once); None: its share w_m / sum w of
+      the mean (the paper's rule).
+    wait: this round waits for its own mean (a warm-up round): every
+      island steps on D(r), as DiLoCo's x does.
+    axis_name: None for stacked islands, else the islands' axis name.
+    key: PRNG key for stochastic rounding, or None.
+
+  Returns:
+    (points, state, included): the islands' next starting points, the next
+    state, which islands took part ([k] or a scalar).
+  """
+  stacked = axis_name is None
+  synced = library_diloco.pseudo_gradient_mean(
+      points, island_params, weights=weights, residuals=state.residuals,
+      codec_state=state.codec_state, compression=compression,
+      axis_name=axis_name, key=key, stacked_reference=True)
+  weights = jnp.broadcast_to(
+      jnp.asarray(1.0 if weights is None else weights, jnp.float32),
+      synced.included.shape)
+  # The share rule's total is over the weights every island knows before
+  # the collective (the stacked form's sum of `weights`).
+  total = None if stacked else jax.lax.psum(weights, axis_name)
+  mean = jax.tree.map(lambda m: m.astype(jnp.float32), synced.mean)
+  # The stacked rule with one island on its axis, in the per-island form.
+  one = (lambda tree: tree) if stacked else (
+      lambda tree: jax.tree.map(lambda a: a[None], tree))
+  new_points, outer_states, shares = outer_step_lib.eager_steps(
+      outer_tx, one(points), one(island_params),
+      one(state.outer_opt_states), one(state.own_shares), state.in_flight,
+      state.in_flight_valid, one(weights),
+      one(synced.finite & (weights > 0)), own_weight=own_weight,
+      waited=(True, mean, synced.anyone) if wait else None,
+      total_weight=total)
+  unone = (lambda tree: tree) if stacked else (
+      lambda tree: jax.tree.map(lambda a: a[0], tree))
+  return unone(new_points), state.replace(
+      outer_opt_states=unone(outer_states), residuals=synced.residuals,
+      codec_state=outer_step_lib.keep_unless(
+          synced.anyone, synced.codec_state, state.codec_state),
+      round=state.round + 1, in_flight=mean,
+      in_flight_valid=synced.anyone,
+      own_shares=unone(shares)), synced.included
+
+
+def eager_settle(points, state: EagerState,
+                 outer_tx: optax.GradientTransformation, *,
+                 axis_name: str | None = None):
+  """The end of an eager run: the last mean lands, each island steps on
+  the rest of it, and the islands' average is the model: (x, its outer
+  optimizer state), the same on every island in the per-island form."""
+  if axis_name is None:
+    points, outer_states = outer_step_lib.eager_last_steps(
+        outer_tx, points, state.outer_opt_states, state.own_shares,
+        state.in_flight, state.in_flight_valid)
+    return (state_lib.islands_average(points),
+            state_lib.islands_average(outer_states))
+  one = lambda tree: jax.tree.map(lambda a: a[None], tree)
+  points, outer_states = outer_step_lib.eager_last_steps(
+      outer_tx, one(points), one(state.outer_opt_states),
+      one(state.own_shares), state.in_flight, state.in_flight_valid)
+  average = lambda tree: jax.tree.map(
+      lambda a: _mean_over(a[0], axis_name), tree)
+  return average(points), average(outer_states)
+
+
+def _mean_over(leaf, axis_name):
+  """The islands' mean of `leaf` (float mean for floats; integer leaves,
+  such as an optimizer's step count, are the same on every island)."""
+  if jnp.issubdtype(leaf.dtype, jnp.floating):
+    return jax.lax.pmean(leaf.astype(jnp.float32),
+                         axis_name).astype(leaf.dtype)
+  return leaf
