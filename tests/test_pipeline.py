@@ -240,10 +240,11 @@ def runs(tmp_path_factory):
   return run
 
 
+# DiLoCo at S = 2 runs with FSDP islands (data 2): its stages and FSDP
+# in one run; the other modes at S = 2 without FSDP.
 @pytest.mark.parametrize("name,stages,staged", [
-    ("diloco", 2, "S2"), ("diloco", 4, "S4"),
-    ("diloco", 2, "S2-data2-fsdp"), ("eager", 2, "S2"), ("ddp", 2, "S2"),
-    ("single", 2, "S2"),
+    ("diloco", 2, "S2-data2-fsdp"), ("diloco", 4, "S4"), ("eager", 2, "S2"),
+    ("ddp", 2, "S2"), ("single", 2, "S2"),
 ])
 def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
   reference, reference_summary = runs(name, 1)
@@ -323,10 +324,11 @@ def test_each_stage_reduces_only_among_the_devices_holding_it():
 
 def test_resume_with_another_stage_count_goes_on_as_the_run_would(
     runs, tmp_path):
-  """Checkpoints hold the logical state: a run saved at S = 2 resumes at
-  S = 1 (with a mean in flight and the islands' anchors) and ends where
-  the S = 2 run ended (to reassociation)."""
-  whole, _ = runs("diloco", 2, "S2")
+  """Checkpoints hold the logical state: a run saved at S = 2 (with FSDP
+  islands) resumes at S = 1 (with a mean in flight and the islands'
+  anchors, without FSDP) and ends where the S = 2 run ended (to
+  reassociation)."""
+  whole, _ = runs("diloco", 2, "S2-data2-fsdp")
   resumed = str(tmp_path / "resumed")
   test_checkpoint.forget_after(whole, resumed, 4)
   summary = train.train_and_evaluate(_config(1, **_RUNS["diloco"]), resumed)
@@ -337,9 +339,9 @@ def test_resume_with_another_stage_count_goes_on_as_the_run_would(
 
 
 def test_a_checkpoint_reads_back_exactly_at_another_stage_count(runs):
-  """The S = 2 run's last checkpoint, restored for S = 4, laid out for
-  that run's steps and back: every bit of what was saved."""
-  whole, _ = runs("diloco", 2, "S2")
+  """The S = 2 run's last checkpoint (FSDP islands), restored for S = 4,
+  laid out for that run's steps and back: every bit of what was saved."""
+  whole, _ = runs("diloco", 2, "S2-data2-fsdp")
   config = _config(4, **_RUNS["diloco"], **_STAGED["S4"])
   setup = setup_lib.build(validation.validate_config(config, 8),
                           jax.devices())
