@@ -28,6 +28,8 @@ setuptools.setup(
     extras_require={
         # experiments/ plots; the tests also run the colabs/ notebooks.
         "experiments": ["matplotlib>=3.8"],
+        # Elastic islands (python -m diloco_jax.elastic): Ray runs them.
+        "elastic": ["ray>=2.60"],
         "test": ["pytest>=8", "pytest-xdist>=3.2", "matplotlib>=3.8",
                  "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
     },

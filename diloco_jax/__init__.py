@@ -6,6 +6,8 @@ from the layers below it (tests/test_layers.py checks this):
 
   main.py, launch.py   entry points: `python -m diloco_jax.main`, the
                        multi-process launcher
+  elastic/             islands as programs of their own under Ray, synced
+                       through a coordinator (`python -m diloco_jax.elastic`)
   run/                 the driver: setup, the loop, checkpoints, metrics,
                        the outer step on devices of its own
   analysis/            FLOPs, bytes over the link, the network model

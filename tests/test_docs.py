@@ -40,6 +40,7 @@ from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
+from diloco_jax.elastic import settings as elastic_settings
 from diloco_jax.run import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -159,7 +160,8 @@ def _page_commands(page: pathlib.Path
   ...`). In the blocks, a variable the page assigns (FLAGS="...") is
   expanded where a later line uses it ($FLAGS). A command in prose may
   leave its workdir and data files to its sentence ("on the shards
-  above"); a bare `python -m diloco_jax.main` is a name, not a command."""
+  above"); a bare `python -m diloco_jax.main` (or .elastic) is a name,
+  not a command."""
   commands, variables = [], {}
   for line in _shell_lines(page):
     assignment = re.fullmatch(r"([A-Za-z_]\w*)=(.*)", line.strip())
@@ -172,7 +174,7 @@ def _page_commands(page: pathlib.Path
   prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
   for code in re.findall(r"`([^`]+)`", prose):
     for module, args in _commands(" ".join(code.split())):
-      if module == "diloco_jax.main":
+      if module in ("diloco_jax.main", "diloco_jax.elastic"):
         if not any(arg.startswith("--config=") for arg in args):
           continue
         if not any(arg.startswith("--workdir=") for arg in args):
@@ -187,6 +189,8 @@ def _defined_flags(module: str) -> dict[str, str]:
   process's global FLAGS, where other modules define some of the same
   names."""
   path = ROOT / (module.replace(".", "/") + ".py")
+  if not path.exists():  # a package run with -m: its __main__
+    path = ROOT / module.replace(".", "/") / "__main__.py"
   kinds = {}
   for node in ast.walk(ast.parse(path.read_text())):
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -383,6 +387,8 @@ def test_every_command_parses_and_its_config_validates(page, reader_files):
       found = _main_problems(args, reader_files, prose)
     elif module.startswith("experiments."):
       found = _experiment_problems(module, args)
+    elif module == "diloco_jax.elastic":
+      found = _elastic_problems(args)
     else:  # another tool of ours (diloco_jax.data.c4_download, ...)
       try:
         _parse(module, args)
@@ -391,6 +397,20 @@ def test_every_command_parses_and_its_config_validates(page, reader_files):
         found = [f"flags: {str(e).strip().splitlines()[-1]}"]
     problems += [f"{module} {' '.join(args)}\n  {p}" for p in found]
   assert not problems, "\n".join(problems)
+
+
+def _elastic_problems(args: list[str]) -> list[str]:
+  """What `python -m diloco_jax.elastic` would refuse before starting: its
+  flags, the config as main checks it, and the elastic settings."""
+  try:
+    values = _parse("diloco_jax.elastic", args)
+    config = values.config
+    run_config = validation.validate_config(
+        config, config.diloco.islands * config.mesh.data)
+    elastic_settings.check(run_config)
+  except Exception as e:  # pylint: disable=broad-except
+    return [str(e).strip().splitlines()[-1]]
+  return []
 
 
 def test_the_command_check_sees_each_kind_of_mistake(reader_files):

@@ -21,6 +21,7 @@ RANKS = {
     "config": 3,
     "analysis": 4,
     "run": 5,
+    "elastic": 6,
 }
 ENTRY_POINTS = {"__init__", "main", "launch"}  # above every layer
 

@@ -63,10 +63,23 @@ def base_config() -> ml_collections.ConfigDict:
       # diverges, or x does.
       "nonfinite": "stop",
       "max_rollbacks": 3,
+      # Elastic islands (python -m diloco_jax.elastic): each island its own
+      # program under Ray. A round closes once min_islands (0: all) have
+      # sent their params and grace_seconds more have passed; an island
+      # that died or is later still is left out of it. A dead island's
+      # process is restarted up to max_restarts times.
+      "elastic": Section({
+          "min_islands": 0,
+          "grace_seconds": 0.0,
+          "max_restarts": 3,
+      }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged
-      # islands.
-      "testing": Section({"nan_island": ""}),
+      # islands. Elastic islands: kill_island has that island's process
+      # SIGKILL itself halfway through that round, once; slow_island has it
+      # sleep slow_seconds before that round's first step (a straggler).
+      "testing": Section({"nan_island": "", "kill_island": "",
+                          "slow_island": "", "slow_seconds": 10.0}),
       "log_every_seconds": 5.0,
   })
 

@@ -1,0 +1,15 @@
+"""Elastic islands: each island its own JAX program under Ray, synced
+through a coordinator that is not an island, so a dead or late island
+leaves the others training (python -m diloco_jax.elastic; docs/elastic.md).
+
+  settings.py     config.elastic checked; what elastic runs refuse.
+  island.py       one island's program: a round of inner steps from x.
+  coordinator.py  x, the outer state, data positions; the outer step;
+                  checkpoints.
+  quorum.py       when a round closes, and who made it.
+  driver.py       the run: Ray, the islands, the rounds.
+
+Needs Ray: pip install -e .[elastic]. The top layer: may import every
+layer below it (run/, analysis/, config/, algorithm/, parallel/ and
+codecs/, model/, data/).
+"""

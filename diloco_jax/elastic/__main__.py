@@ -1,0 +1,43 @@
+"""python -m diloco_jax.elastic --config=configs/tiny.py --workdir=DIR:
+a run on elastic islands (each island its own process under Ray)."""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from diloco_jax.config import problems
+from diloco_jax.config import validation
+from diloco_jax.elastic import driver
+from diloco_jax.elastic import settings
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "A config file (configs/*.py), as for diloco_jax.main.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "The run's directory: metrics, the coordinator's "
+    "checkpoints; rerun with the same one to resume.")
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", None, "A running Ray cluster (ray start --head; "
+    "'auto' for this machine's); default: start one here on 127.0.0.1.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  try:
+    # Every island is a program of its own: the mesh check counts one
+    # island's devices, the islands' count being the run's.
+    run_config = validation.validate_config(
+        config, config.diloco.islands * config.mesh.data)
+    settings.check(run_config)
+    if _RAY_ADDRESS.value not in (None, "auto"):
+      settings.check_answers(_RAY_ADDRESS.value)
+  except problems.ConfigError as error:
+    raise SystemExit(f"error: {error}") from None
+  summary = driver.run(run_config, _WORKDIR.value, _RAY_ADDRESS.value)
+  print(f"final eval loss {summary['final_eval_loss']:.4f}, goodput "
+        f"{summary['goodput']:.3f}, {summary['wall_seconds']:.1f}s")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,104 @@
+"""The elastic run's coordinator: not an island; it keeps x, the outer
+state, each island's data position and the rounds, closes each round on
+the params of the islands that made it, and checkpoints all of it.
+
+The outer step is the library's (library.outer_update over the k islands
+stacked, weight 0 for those left out): the same sync_island collective and
+outer optimizer as the SPMD runs, run where the islands' params meet.
+"""
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from diloco_jax.algorithm import library
+from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.model import transformer as model_lib
+from diloco_jax.run import state_spec as state_spec_lib
+
+
+class Coordinator:
+  """x and the outer state of an elastic run, round by round.
+
+  Attributes:
+    x: the global params (host arrays).
+    rounds_done: rounds closed so far.
+    data_states: per island, its stream position after the last round it
+      contributed to (None: the stream's start).
+  """
+
+  def __init__(self, run_config: run_config_lib.RunConfig, workdir: str):
+    config = run_config.config
+    self._islands = run_config.islands
+    spec = state_spec_lib.for_run(run_config)
+    self._outer_tx = spec.outer_opt
+    self._compression = spec.compression
+    self.x = jax.device_get(jax.jit(functools.partial(
+        model_lib.new_params, config.model))(config.seed))
+    self._state = library.init(self.x, self._outer_tx, self._islands,
+                               compression=self._compression,
+                               error_feedback=spec.error_feedback,
+                               seed=spec.seed)
+    self.rounds_done = 0
+    self.data_states: list[dict | None] = [None] * self._islands
+    self._outer = jax.jit(functools.partial(
+        library.outer_update, outer_tx=self._outer_tx,
+        compression=self._compression))
+    self._checkpoints = ocp.CheckpointManager(
+        pathlib.Path(workdir).resolve() / "coordinator",
+        options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+  def close_round(self, results: dict[int, dict],
+                  shares: list[float]) -> np.ndarray:
+    """One outer step on the params of the islands in `results` (island ->
+    IslandProgram.train_round's result), each weighted by its share of the
+    corpus times the tokens it trained; the others (dead, late) are left
+    out and keep their data position. Returns which islands took part."""
+    islands = jax.tree.map(
+        lambda *leaves: np.stack(leaves),
+        *[results[i]["params"] if i in results else self.x
+          for i in range(self._islands)])
+    weights = np.array([shares[i] * results[i]["tokens"] if i in results
+                        else 0.0 for i in range(self._islands)], np.float32)
+    x, self._state, included = self._outer(self.x, islands, self._state,
+                                           weights=jnp.asarray(weights))
+    self.x = jax.device_get(x)
+    included = np.asarray(included)
+    for i in np.flatnonzero(included):
+      self.data_states[i] = results[int(i)]["data_state"]
+    self.rounds_done += 1
+    return included
+
+  def save(self) -> None:
+    """Checkpoints x, the outer state, the data positions and the round
+    (orbax; a save interrupted by a kill leaves the previous one)."""
+    self._checkpoints.save(self.rounds_done, args=ocp.args.Composite(
+        x=ocp.args.StandardSave(self.x),
+        outer=ocp.args.StandardSave(self._state),
+        progress=ocp.args.JsonSave({"rounds_done": self.rounds_done,
+                                    "data_states": self.data_states})))
+    self._checkpoints.wait_until_finished()
+
+  def restore(self) -> bool:
+    """Resumes from the last checkpoint, if any; whether one was read."""
+    latest = self._checkpoints.latest_step()
+    if latest is None:
+      return False
+    restored = self._checkpoints.restore(latest, args=ocp.args.Composite(
+        x=ocp.args.StandardRestore(self.x),
+        outer=ocp.args.StandardRestore(self._state),
+        progress=ocp.args.JsonRestore()))
+    self.x = jax.device_get(restored.x)
+    self._state = restored.outer
+    progress = restored.progress
+    self.rounds_done = int(progress["rounds_done"])
+    self.data_states = list(progress["data_states"])
+    return True
+
+  def close(self) -> None:
+    self._checkpoints.close()
+

@@ -1,0 +1,146 @@
+"""An elastic run: the coordinator in this process, each island a Ray
+actor (its own process, restarted by Ray when it dies), rounds closed by
+the quorum rule, the coordinator checkpointed every round.
+
+A dead island is left out of its round and rejoins at the next one with
+the x it is handed; rerunning the same command after the coordinator's
+process died resumes from its last round.
+"""
+
+import json
+import os
+import pathlib
+import time
+
+from absl import logging
+import jax
+import numpy as np
+import ray
+
+from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.data import sources
+from diloco_jax.elastic import coordinator as coordinator_lib
+from diloco_jax.elastic import island as island_lib
+from diloco_jax.elastic import quorum
+from diloco_jax.elastic import settings as settings_lib
+from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.run import setup as setup_lib
+
+
+def run(run_config: run_config_lib.RunConfig, workdir: str,
+        ray_address: str | None = None) -> dict:
+  """Trains `run_config` on elastic islands; returns the summary written to
+  workdir/summary.json. `ray_address`: a running Ray cluster's, or None to
+  start one on this machine (bound to 127.0.0.1)."""
+  settings = settings_lib.check(run_config)
+  if ray_address not in (None, "auto"):
+    settings_lib.check_answers(ray_address)
+  config = run_config.config
+  workdir = str(pathlib.Path(workdir).resolve())
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  coordinator = coordinator_lib.Coordinator(run_config, workdir)
+  resumed = coordinator.restore()
+  evaluate = _evaluator(run_config)
+  started_ray = not ray.is_initialized()
+  if started_ray:
+    ray.init(address=ray_address, include_dashboard=False,
+             configure_logging=False)
+  try:
+    return _train(run_config, settings, coordinator, evaluate, workdir,
+                  resumed)
+  finally:
+    coordinator.close()
+    if started_ray:
+      ray.shutdown()
+
+
+def _train(run_config, settings, coordinator, evaluate, workdir,
+           resumed) -> dict:
+  config = run_config.config
+  islands = run_config.islands
+  inner_steps = config.diloco.inner_steps
+  rounds = -(-config.total_steps // inner_steps)
+  kill_island, kill_round = settings.kill_island or (None, None)
+  slow_island, slow_round = settings.slow_island or (None, None)
+  actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
+                     max_task_retries=0)(island_lib.IslandProgram)
+  programs = [actor.remote(
+      run_config, i, workdir, kill_round if i == kill_island else None,
+      (slow_round, settings.slow_seconds) if i == slow_island else None)
+              for i in range(islands)]
+  shares = ray.get([program.share.remote() for program in programs])
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  possible = contributed = 0
+  rejoining = set()  # islands whose process died last round
+  start_time = time.monotonic()
+  with open(metrics_path, "a") as metrics:
+    while coordinator.rounds_done < rounds:
+      round_number = coordinator.rounds_done + 1
+      first_step = coordinator.rounds_done * inner_steps
+      steps = min(inner_steps, config.total_steps - first_step)
+      x = ray.put(coordinator.x)
+      calls = {_train_call(programs[i], i in rejoining).remote(
+          x, round_number, coordinator.data_states[i], steps): i
+               for i in range(islands)}
+      came_back = quorum.collect(calls, settings.min_islands,
+                                 settings.grace_seconds)
+      included = coordinator.close_round(came_back.results, shares)
+      rejoining = set(came_back.failed)
+      coordinator.save()
+      possible += islands * steps
+      contributed += int(included.sum()) * steps
+      record = {
+          "round": round_number, "step": first_step + steps,
+          "included": included.astype(int).tolist(),
+          "failed": came_back.failed, "late": came_back.late,
+          "round_seconds": round(came_back.seconds, 3),
+          "train_loss": float(np.mean([r["losses"][-1] for r in
+                                       came_back.results.values()]))
+          if came_back.results else None}
+      if round_number == rounds or (config.eval.every_rounds and
+                                    round_number % config.eval.every_rounds
+                                    == 0):
+        record["eval_loss"] = evaluate(coordinator.x)
+      metrics.write(json.dumps(record) + "\n")
+      metrics.flush()
+      logging.info("round %d: islands %s took part%s%s", round_number,
+                   record["included"],
+                   f"; failed {sorted(came_back.failed)}" if came_back.failed
+                   else "",
+                   f"; late {came_back.late}" if came_back.late else "")
+  summary = {
+      "total_steps": config.total_steps, "rounds": coordinator.rounds_done,
+      "final_eval_loss": evaluate(coordinator.x),
+      "resumed": resumed,
+      # Island-steps whose work reached x, of those possible, this run.
+      "goodput": contributed / possible if possible else None,
+      # Where each island's data stream stands: after the batches it
+      # contributed, none it trained in a round it was left out of.
+      "data_states": coordinator.data_states,
+      "wall_seconds": round(time.monotonic() - start_time, 3)}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _train_call(program, rejoining: bool):
+  """The island's train_round method for this round's call. An island
+  whose process died is being restarted by Ray: its call waits for the
+  restart (the round's quorum and grace window still decide whether it is
+  in time); any other island's call fails at once if its process dies,
+  leaving it out of the round."""
+  return program.train_round.options(
+      max_task_retries=-1 if rejoining else 0)
+
+
+def _evaluator(run_config: run_config_lib.RunConfig):
+  """eval(x) -> the mean eval loss of x on the run's held-out batches."""
+  config = run_config.config
+  mesh = mesh_lib.build_mesh(1, 1, 1, jax.devices()[:1])
+  loss_fn = jax.jit(setup_lib.loss_function(config, mesh))
+  batches = sources.make_eval_batches(run_config.data,
+                                      config.eval.batch_size,
+                                      config.eval.num_batches)
+  return lambda x: float(np.mean([loss_fn(x, batch) for batch in batches]))

@@ -1,0 +1,110 @@
+"""What an elastic run is allowed to be: config.elastic checked, and the
+settings elastic islands do not run yet refused, each in one line before
+Ray or any compile starts."""
+
+import dataclasses
+import socket
+
+from diloco_jax.algorithm import participation
+from diloco_jax.config import problems as problems_lib
+from diloco_jax.config import run_config as run_config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSettings:
+  """config.elastic, checked.
+
+  Attributes:
+    min_islands: a round closes once this many islands have sent.
+    grace_seconds: how long it then waits for the others.
+    max_restarts: how often a dead island's process is restarted.
+    kill_island: (island, 1-based round) whose process kills itself once
+      halfway through that round (tests), or None.
+    slow_island: (island, 1-based round) that sleeps `slow_seconds` before
+      that round's first step (tests), or None.
+  """
+  min_islands: int
+  grace_seconds: float
+  max_restarts: int
+  kill_island: tuple[int, int] | None
+  slow_island: tuple[int, int] | None = None
+  slow_seconds: float = 0.0
+
+
+# (setting, the value elastic islands need, why) for what they do not run
+# yet: each island is one program of one island, synced by the plain outer
+# step at the coordinator.
+_NOT_YET = (
+    ("mode", "diloco", "elastic islands run DiLoCo"),
+    ("diloco.overlap", "none", "elastic rounds apply each mean at once"),
+    ("diloco.fragments", 1, "elastic rounds sync the whole model"),
+    ("mesh.stage", 1, "an elastic island is not pipelined yet"),
+    ("mesh.fsdp", False, "an elastic island is not FSDP-sharded yet"),
+    ("diloco.outer_placement", "device",
+     "the coordinator holds the outer state"),
+    ("diloco.drop_probability", 0.0,
+     "elastic rounds leave out the islands that fail, not drawn ones"),
+)
+
+
+def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
+  """config.elastic of a validated run, or ConfigError in one line."""
+  config = run_config.config
+  for name, needed, why in _NOT_YET:
+    value = config
+    for part in name.split("."):
+      value = value[part]
+    if value != needed:
+      raise problems_lib.ConfigError(
+          f"config.{name}={value!r} with python -m diloco_jax.elastic: "
+          f"{why} (config.{name}={needed!r})")
+  elastic, islands = config.elastic, run_config.islands
+  min_islands = elastic.min_islands or islands
+  if not (isinstance(elastic.min_islands, int)
+          and 0 <= elastic.min_islands <= islands):
+    raise problems_lib.ConfigError(
+        f"config.elastic.min_islands={elastic.min_islands!r} must be 0 (all) "
+        f"to config.diloco.islands={islands}")
+  grace = elastic.grace_seconds
+  if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (
+      grace >= 0):
+    raise problems_lib.ConfigError(
+        f"config.elastic.grace_seconds={grace!r} must be a number >= 0")
+  restarts = elastic.max_restarts
+  if isinstance(restarts, bool) or not isinstance(restarts, int) or (
+      restarts < 0):
+    raise problems_lib.ConfigError(
+        f"config.elastic.max_restarts={restarts!r} must be a whole number "
+        ">= 0")
+  kill, slow = (_island_at(config.testing, name, islands)
+                for name in ("kill_island", "slow_island"))
+  slow_seconds = config.testing.slow_seconds
+  if slow and not (isinstance(slow_seconds, (int, float))
+                   and slow_seconds >= 0):
+    raise problems_lib.ConfigError(
+        f"config.testing.slow_seconds={slow_seconds!r} must be >= 0")
+  return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
+                         float(slow_seconds))
+
+
+def _island_at(testing, name: str, islands: int):
+  """config.testing.<name> 'ISLAND@ROUND' as (island, round), or None."""
+  if not testing[name]:
+    return None
+  try:
+    return participation.parse_nan_island(testing[name], islands)
+  except ValueError as error:
+    raise problems_lib.ConfigError(
+        f"config.testing.{name}: {error}") from None
+
+def check_answers(address: str, timeout_seconds: float = 5.0) -> None:
+  """ConfigError in one line unless a Ray cluster's HOST:PORT accepts a
+  connection (before anything is written or compiled)."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host, int(port)), timeout_seconds):
+      pass
+  except (OSError, ValueError) as error:
+    raise problems_lib.ConfigError(
+        f"--ray_address={address!r} does not answer ({error}): start the "
+        "cluster first (ray start --head) or leave the flag out") from None

@@ -1,0 +1,212 @@
+"""Elastic islands (diloco_jax/elastic): each island its own process under
+Ray, synced through the coordinator; a dead island is left out of its
+round and rejoins at the next.
+
+Elastic runs start their Ray cluster inside a network namespace the test
+makes (loopback only, so Ray binds to 127.0.0.1 there); the fixture kills
+what is left in it and removes it.
+"""
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import tiny
+from diloco_jax.config import problems
+from diloco_jax.config import validation
+from diloco_jax.elastic import settings as settings_lib
+from diloco_jax.run import train
+from tests import helpers
+from tests import test_train
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# Three rounds of two islands on the tiny config.
+RUN = {"diloco.islands": 2, "total_steps": 12, "diloco.inner_steps": 4}
+
+
+def _config(**overrides):
+  return helpers.with_overrides(tiny.get_config(), {**RUN, **overrides})
+
+
+def _run_config(config):
+  return validation.validate_config(
+      config, config.diloco.islands * config.mesh.data)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"elastic.min_islands": 3}, "config.elastic.min_islands=3 must be 0"),
+    ({"elastic.grace_seconds": -1.0}, "grace_seconds=-1.0 must be a number"),
+    ({"elastic.max_restarts": -2}, "max_restarts=-2 must be a whole"),
+    ({"diloco.overlap": "eager"},
+     "config.diloco.overlap='eager' with python -m diloco_jax.elastic"),
+    ({"diloco.fragments": 2, "model.num_layers": 2},
+     "config.diloco.fragments=2 with python -m diloco_jax.elastic"),
+    ({"testing.kill_island": "5@1"}, "config.testing.kill_island: '5@1'"),
+])
+def test_bad_elastic_settings_are_one_line(overrides, message):
+  with pytest.raises(problems.ConfigError, match=message) as error:
+    settings_lib.check(_run_config(_config(**overrides)))
+  assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def namespace():
+  """A network namespace of this test's own with loopback only: the Ray
+  cluster an elastic run starts in it binds to its 127.0.0.1 and reaches
+  nothing else. Every process left in it is killed at the end, and it is
+  removed."""
+  name = f"djel{os.getpid()}"
+  subprocess.run(["ip", "netns", "add", name], check=True)
+  etc = pathlib.Path("/etc/netns") / name
+  try:
+    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"],
+                   check=True)
+    etc.mkdir(parents=True)
+    # Ray resolves the hostname to find its node's address.
+    etc.joinpath("hosts").write_text(
+        f"127.0.0.1 localhost {socket.gethostname()}\n")
+    yield name
+  finally:
+    _kill_everything_in(name)
+    subprocess.run(["ip", "netns", "del", name], check=False)
+    shutil.rmtree(etc, ignore_errors=True)
+
+
+def _kill_everything_in(namespace_name):
+  pids = subprocess.run(["ip", "netns", "pids", namespace_name],
+                        capture_output=True, text=True).stdout.split()
+  for pid in pids:
+    try:
+      os.kill(int(pid), signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+def _elastic(namespace_name, workdir, *flags, wait=True):
+  """`python -m diloco_jax.elastic` on the tiny config in the namespace, as
+  the docs run it; the finished process, or the running one."""
+  command = ["ip", "netns", "exec", namespace_name, sys.executable, "-m",
+             "diloco_jax.elastic", f"--config={REPO / 'configs/tiny.py'}",
+             f"--workdir={workdir}", *_flags(), *flags]
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  if not wait:
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+  done = subprocess.run(command, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done
+
+
+def _flags():
+  return [f"--config.{name}={value}" for name, value in RUN.items()]
+
+
+_records = test_train._read_metrics  # pylint: disable=protected-access
+_summary = test_train._read_summary  # pylint: disable=protected-access
+
+
+def test_an_elastic_run_equals_the_spmd_run(namespace, tmp_path):
+  """Without failures the islands' programs and the coordinator compute
+  what one SPMD program does: the same batches per island, the same inner
+  steps, the same outer step. Different XLA programs (one island's step
+  against all islands' at once) round differently: evals to 1e-5."""
+  elastic = str(tmp_path / "elastic")
+  _elastic(namespace, elastic)
+  spmd = train.train_and_evaluate(_config(), str(tmp_path / "spmd"))
+  assert _summary(elastic)["goodput"] == 1.0
+  assert _summary(elastic)["final_eval_loss"] == pytest.approx(
+      spmd["final_eval_loss"], rel=1e-5)
+  spmd_evals = [r["eval_loss"] for r in _records(str(tmp_path / "spmd"))
+                if "eval_loss" in r]
+  assert [r["eval_loss"] for r in _records(elastic)] == pytest.approx(
+      spmd_evals, rel=1e-5)
+
+
+def test_a_killed_island_is_left_out_and_rejoins(namespace, tmp_path):
+  """Island 1's process SIGKILLs itself halfway through round 2: the round
+  closes with island 0 alone, Ray restarts island 1, which trains round 3
+  from the x it is handed on the batches it had not contributed (its
+  stream stands 2 rounds in at the end, island 0's 3)."""
+  workdir = str(tmp_path / "killed")
+  _elastic(namespace, workdir, "--config.testing.kill_island=1@2")
+  records = _records(workdir)
+  assert [r["included"] for r in records] == [[1, 1], [1, 0], [1, 1]]
+  assert list(records[1]["failed"]) == ["1"]  # JSON keys are strings
+  summary = _summary(workdir)
+  assert summary["goodput"] == pytest.approx(5 / 6)
+  steps = RUN["diloco.inner_steps"]
+  assert summary["data_states"] == [{"step": 3 * steps},
+                                    {"step": 2 * steps}]
+
+
+def test_an_address_that_does_not_answer_is_one_line(tmp_path):
+  with socket.socket() as unused:
+    unused.bind(("127.0.0.1", 0))
+    port = unused.getsockname()[1]
+  workdir = tmp_path / "never"
+  done = subprocess.run(
+      [sys.executable, "-m", "diloco_jax.elastic",
+       f"--config={REPO / 'configs/tiny.py'}", f"--workdir={workdir}",
+       f"--ray_address=127.0.0.1:{port}"],
+      env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+      text=True, timeout=120)
+  assert done.returncode != 0
+  assert f"error: --ray_address='127.0.0.1:{port}' does not answer" in (
+      done.stderr.strip().splitlines()[-1])
+  assert not workdir.exists()
+
+
+def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
+                                                          tmp_path):
+  """Every process of the run (the coordinator's, Ray's, the islands')
+  SIGKILLed once the first round is checkpointed; the same command again
+  resumes from the coordinator's last round and finishes the run."""
+  workdir = tmp_path / "resumed"
+  first = _elastic(namespace, workdir, wait=False)
+  saved = workdir / "coordinator" / "1"
+  deadline = time.monotonic() + 300
+  while not saved.exists() and first.poll() is None:
+    assert time.monotonic() < deadline, "no round was checkpointed"
+    time.sleep(0.05)
+  _kill_everything_in(namespace)
+  first.wait(timeout=60)
+  assert first.returncode != 0  # killed, not finished
+  rounds_before = len(_records(workdir))
+  _elastic(namespace, workdir)
+  summary = _summary(workdir)
+  assert summary["resumed"] and summary["rounds"] == 3
+  rounds = [r["round"] for r in _records(workdir)]
+  # The killed run recorded rounds 1..m and checkpointed m or m + 1 (a
+  # checkpoint is written before its round's record); the rerun goes on
+  # after the checkpoint, never from round 1.
+  m = rounds_before
+  assert rounds[:m] == list(range(1, m + 1))
+  assert rounds[m] in (m + 1, m + 2) and rounds[m] >= 2
+  assert rounds[m:] == list(range(rounds[m], 4))
+
+
+def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
+  """Island 1 sleeps 20 s into round 2; with a quorum of one island and a
+  1 s grace window the round closes without it. Whatever rounds it makes
+  later, its data position counts exactly the rounds it was part of."""
+  workdir = str(tmp_path / "straggler")
+  _elastic(namespace, workdir, "--config.elastic.min_islands=1",
+           "--config.elastic.grace_seconds=1",
+           "--config.testing.slow_island=1@2",
+           "--config.testing.slow_seconds=20")
+  records = _records(workdir)
+  assert records[1]["late"] == [1] and records[1]["included"] == [1, 0]
+  assert not records[1]["failed"]
+  steps = RUN["diloco.inner_steps"]
+  contributed = [sum(r["included"][i] for r in records) for i in range(2)]
+  assert _summary(workdir)["data_states"] == [
+      {"step": n * steps} for n in contributed]
+  assert contributed[0] == 3
