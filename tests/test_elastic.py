@@ -113,28 +113,37 @@ _records = test_train._read_metrics  # pylint: disable=protected-access
 _summary = test_train._read_summary  # pylint: disable=protected-access
 
 
-def test_an_elastic_run_equals_the_spmd_run(namespace, tmp_path):
+@pytest.fixture(scope="module")
+def failure_free(namespace, tmp_path_factory):
+  """The workdir of an elastic run without failures."""
+  workdir = str(tmp_path_factory.mktemp("elastic") / "failure_free")
+  _elastic(namespace, workdir)
+  return workdir
+
+
+def test_an_elastic_run_equals_the_spmd_run(failure_free, tmp_path):
   """Without failures the islands' programs and the coordinator compute
   what one SPMD program does: the same batches per island, the same inner
   steps, the same outer step. Different XLA programs (one island's step
   against all islands' at once) round differently: evals to 1e-5."""
-  elastic = str(tmp_path / "elastic")
-  _elastic(namespace, elastic)
   spmd = train.train_and_evaluate(_config(), str(tmp_path / "spmd"))
-  assert _summary(elastic)["goodput"] == 1.0
-  assert _summary(elastic)["final_eval_loss"] == pytest.approx(
+  assert _summary(failure_free)["goodput"] == 1.0
+  assert _summary(failure_free)["final_eval_loss"] == pytest.approx(
       spmd["final_eval_loss"], rel=1e-5)
   spmd_evals = [r["eval_loss"] for r in _records(str(tmp_path / "spmd"))
                 if "eval_loss" in r]
-  assert [r["eval_loss"] for r in _records(elastic)] == pytest.approx(
+  assert [r["eval_loss"] for r in _records(failure_free)] == pytest.approx(
       spmd_evals, rel=1e-5)
 
 
-def test_a_killed_island_is_left_out_and_rejoins(namespace, tmp_path):
+def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
+                                                 tmp_path):
   """Island 1's process SIGKILLs itself halfway through round 2: the round
   closes with island 0 alone, Ray restarts island 1, which trains round 3
   from the x it is handed on the batches it had not contributed (its
-  stream stands 2 rounds in at the end, island 0's 3)."""
+  stream stands 2 rounds in at the end, island 0's 3), with a fresh inner
+  optimizer state. The final eval loss stays within 1% of the run without
+  the failure: one island-round of six is lost, on a model 12 steps in."""
   workdir = str(tmp_path / "killed")
   _elastic(namespace, workdir, "--config.testing.kill_island=1@2")
   records = _records(workdir)
@@ -145,6 +154,8 @@ def test_a_killed_island_is_left_out_and_rejoins(namespace, tmp_path):
   steps = RUN["diloco.inner_steps"]
   assert summary["data_states"] == [{"step": 3 * steps},
                                     {"step": 2 * steps}]
+  assert summary["final_eval_loss"] == pytest.approx(
+      _summary(failure_free)["final_eval_loss"], rel=0.01)
 
 
 def test_an_address_that_does_not_answer_is_one_line(tmp_path):
