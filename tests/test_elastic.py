@@ -121,18 +121,32 @@ def failure_free(namespace, tmp_path_factory):
   return workdir
 
 
-def test_an_elastic_run_equals_the_spmd_run(failure_free, tmp_path):
+@pytest.mark.parametrize("outer", ["nesterov", "sparseloco"])
+def test_an_elastic_run_equals_the_spmd_run(outer, namespace, failure_free,
+                                            tmp_path):
   """Without failures the islands' programs and the coordinator compute
   what one SPMD program does: the same batches per island, the same inner
-  steps, the same outer step. Different XLA programs (one island's step
-  against all islands' at once) round differently: evals to 1e-5."""
-  spmd = train.train_and_evaluate(_config(), str(tmp_path / "spmd"))
-  assert _summary(failure_free)["goodput"] == 1.0
-  assert _summary(failure_free)["final_eval_loss"] == pytest.approx(
+  steps, the same outer step (with SparseLoCo: its chunked 2-bit top-k and
+  the islands' error feedback, kept at the coordinator), and count the
+  same bytes. Different XLA programs (one island's step against all
+  islands' at once) round differently: evals to 1e-5."""
+  overrides = ({} if outer == "nesterov"
+               else {"diloco.outer_optimizer.name": outer})
+  elastic = failure_free
+  if overrides:
+    elastic = str(tmp_path / "elastic")
+    _elastic(namespace, elastic, *[f"--config.{name}={value}"
+                                   for name, value in overrides.items()])
+  spmd = train.train_and_evaluate(_config(**overrides),
+                                  str(tmp_path / "spmd"))
+  summary = _summary(elastic)
+  assert summary["goodput"] == 1.0
+  assert summary["comm_bytes"] == spmd["comm_bytes"]
+  assert summary["final_eval_loss"] == pytest.approx(
       spmd["final_eval_loss"], rel=1e-5)
   spmd_evals = [r["eval_loss"] for r in _records(str(tmp_path / "spmd"))
                 if "eval_loss" in r]
-  assert [r["eval_loss"] for r in _records(failure_free)] == pytest.approx(
+  assert [r["eval_loss"] for r in _records(elastic)] == pytest.approx(
       spmd_evals, rel=1e-5)
 
 

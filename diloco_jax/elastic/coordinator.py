@@ -29,6 +29,8 @@ class Coordinator:
     rounds_done: rounds closed so far.
     data_states: per island, its stream position after the last round it
       contributed to (None: the stream's start).
+    round_bytes: what one island's payload of the last round costs over
+      the link through the codec (library.bytes_sent).
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, workdir: str):
@@ -44,6 +46,7 @@ class Coordinator:
                                error_feedback=spec.error_feedback,
                                seed=spec.seed)
     self.rounds_done = 0
+    self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands
     self._outer = jax.jit(functools.partial(
         library.outer_update, outer_tx=self._outer_tx,
@@ -64,6 +67,11 @@ class Coordinator:
           for i in range(self._islands)])
     weights = np.array([shares[i] * results[i]["tokens"] if i in results
                         else 0.0 for i in range(self._islands)], np.float32)
+    # What one island's payload costs over the link, as the SPMD runs
+    # count it (the codec's bytes at this round's ranks).
+    self.round_bytes = library.bytes_sent(self.x, self._islands,
+                                          self._compression,
+                                          self._state.codec_state)
     x, self._state, included = self._outer(self.x, islands, self._state,
                                            weights=jnp.asarray(weights))
     self.x = jax.device_get(x)

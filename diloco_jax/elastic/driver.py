@@ -72,7 +72,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
               for i in range(islands)]
   shares = ray.get([program.share.remote() for program in programs])
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  possible = contributed = 0
+  possible = contributed = comm_bytes = ray_bytes = 0
+  params_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(
+      coordinator.x))
   rejoining = set()  # islands whose process died last round
   start_time = time.monotonic()
   with open(metrics_path, "a") as metrics:
@@ -91,6 +93,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       coordinator.save()
       possible += islands * steps
       contributed += int(included.sum()) * steps
+      comm_bytes += coordinator.round_bytes
+      # The islands send their params through Ray in float32.
+      ray_bytes += int(included.sum()) * params_bytes
       record = {
           "round": round_number, "step": first_step + steps,
           "included": included.astype(int).tolist(),
@@ -119,6 +124,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       # Where each island's data stream stands: after the batches it
       # contributed, none it trained in a round it was left out of.
       "data_states": coordinator.data_states,
+      # What one island sent through the codec this run, counted as the
+      # SPMD runs count it, and what all islands sent through Ray.
+      "comm_bytes": comm_bytes, "ray_bytes": ray_bytes,
       "wall_seconds": round(time.monotonic() - start_time, 3)}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
