@@ -7,6 +7,7 @@ the x it is handed; rerunning the same command after the coordinator's
 process died resumes from its last round.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -56,28 +57,49 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
       ray.shutdown()
 
 
+@dataclasses.dataclass
+class _Tally:
+  """What this run's rounds added up to (island-steps, bytes)."""
+  possible: int = 0  # island-steps the rounds could have used
+  contributed: int = 0  # island-steps whose work reached x
+  comm_bytes: int = 0  # what one island sent through the codec
+  ray_bytes: int = 0  # what the islands' params took through Ray
+
+  def add(self, islands: int, steps: int, included: np.ndarray,
+          round_bytes: int, params_bytes: int) -> None:
+    self.possible += islands * steps
+    self.contributed += int(included.sum()) * steps
+    self.comm_bytes += round_bytes
+    # The islands send their params through Ray in float32.
+    self.ray_bytes += int(included.sum()) * params_bytes
+
+
+def _start_islands(run_config, settings, workdir) -> list:
+  """One Ray actor per island, restarted by Ray when its process dies."""
+  kill_island, kill_round = settings.kill_island or (None, None)
+  slow_island, slow_round = settings.slow_island or (None, None)
+  actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
+                     max_task_retries=0)(island_lib.IslandProgram)
+  return [actor.remote(
+      run_config, i, workdir, kill_round if i == kill_island else None,
+      (slow_round, settings.slow_seconds) if i == slow_island else None)
+          for i in range(run_config.islands)]
+
+
 def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
   config = run_config.config
   islands = run_config.islands
   inner_steps = config.diloco.inner_steps
   rounds = -(-config.total_steps // inner_steps)
-  kill_island, kill_round = settings.kill_island or (None, None)
-  slow_island, slow_round = settings.slow_island or (None, None)
-  actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
-                     max_task_retries=0)(island_lib.IslandProgram)
-  programs = [actor.remote(
-      run_config, i, workdir, kill_round if i == kill_island else None,
-      (slow_round, settings.slow_seconds) if i == slow_island else None)
-              for i in range(islands)]
+  programs = _start_islands(run_config, settings, workdir)
   shares = ray.get([program.share.remote() for program in programs])
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  possible = contributed = comm_bytes = ray_bytes = 0
   params_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(
       coordinator.x))
+  tally = _Tally()
   rejoining = set()  # islands whose process died last round
   start_time = time.monotonic()
-  with open(metrics_path, "a") as metrics:
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
       first_step = coordinator.rounds_done * inner_steps
@@ -91,46 +113,51 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       included = coordinator.close_round(came_back.results, shares)
       rejoining = set(came_back.failed)
       coordinator.save()
-      possible += islands * steps
-      contributed += int(included.sum()) * steps
-      comm_bytes += coordinator.round_bytes
-      # The islands send their params through Ray in float32.
-      ray_bytes += int(included.sum()) * params_bytes
-      record = {
-          "round": round_number, "step": first_step + steps,
-          "included": included.astype(int).tolist(),
-          "failed": came_back.failed, "late": came_back.late,
-          "round_seconds": round(came_back.seconds, 3),
-          "train_loss": float(np.mean([r["losses"][-1] for r in
-                                       came_back.results.values()]))
-          if came_back.results else None}
-      if round_number == rounds or (config.eval.every_rounds and
-                                    round_number % config.eval.every_rounds
-                                    == 0):
+      tally.add(islands, steps, included, coordinator.round_bytes,
+                params_bytes)
+      record = _round_record(round_number, first_step + steps, included,
+                             came_back)
+      every = config.eval.every_rounds
+      if round_number == rounds or (every and round_number % every == 0):
         record["eval_loss"] = evaluate(coordinator.x)
       metrics.write(json.dumps(record) + "\n")
       metrics.flush()
-      logging.info("round %d: islands %s took part%s%s", round_number,
-                   record["included"],
-                   f"; failed {sorted(came_back.failed)}" if came_back.failed
-                   else "",
-                   f"; late {came_back.late}" if came_back.late else "")
   summary = {
       "total_steps": config.total_steps, "rounds": coordinator.rounds_done,
       "final_eval_loss": evaluate(coordinator.x),
       "resumed": resumed,
       # Island-steps whose work reached x, of those possible, this run.
-      "goodput": contributed / possible if possible else None,
+      "goodput": (tally.contributed / tally.possible if tally.possible
+                  else None),
       # Where each island's data stream stands: after the batches it
       # contributed, none it trained in a round it was left out of.
       "data_states": coordinator.data_states,
       # What one island sent through the codec this run, counted as the
       # SPMD runs count it, and what all islands sent through Ray.
-      "comm_bytes": comm_bytes, "ray_bytes": ray_bytes,
+      "comm_bytes": tally.comm_bytes, "ray_bytes": tally.ray_bytes,
       "wall_seconds": round(time.monotonic() - start_time, 3)}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
+
+
+def _round_record(round_number: int, step: int, included: np.ndarray,
+                  came_back: quorum.RoundResults) -> dict:
+  """The round's line of metrics.jsonl, also said in the log."""
+  results = came_back.results.values()
+  record = {
+      "round": round_number, "step": step,
+      "included": included.astype(int).tolist(),
+      "failed": came_back.failed, "late": came_back.late,
+      "round_seconds": round(came_back.seconds, 3),
+      "train_loss": (float(np.mean([r["losses"][-1] for r in results]))
+                     if results else None)}
+  logging.info("round %d: islands %s took part%s%s", round_number,
+               record["included"],
+               f"; failed {sorted(came_back.failed)}" if came_back.failed
+               else "",
+               f"; late {came_back.late}" if came_back.late else "")
+  return record
 
 
 def _train_call(program, rejoining: bool):
