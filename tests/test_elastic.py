@@ -8,8 +8,6 @@ what is left in it and removes it.
 """
 import os
 import pathlib
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,7 @@ from diloco_jax.config import problems
 from diloco_jax.config import validation
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.run import train
+from benchmarks import netns
 from tests import helpers
 from tests import test_train
 
@@ -48,7 +47,8 @@ def _run_config(config):
      "config.diloco.overlap='eager' with python -m diloco_jax.elastic"),
     ({"diloco.fragments": 2, "model.num_layers": 2},
      "config.diloco.fragments=2 with python -m diloco_jax.elastic"),
-    ({"testing.kill_island": "5@1"}, "config.testing.kill_island: '5@1'"),
+    ({"testing.kill_island": "1@2,5@1"},
+     "config.testing.kill_island: '5@1'"),
 ])
 def test_bad_elastic_settings_are_one_line(overrides, message):
   with pytest.raises(problems.ConfigError, match=message) as error:
@@ -62,39 +62,17 @@ def namespace():
   cluster an elastic run starts in it binds to its 127.0.0.1 and reaches
   nothing else. Every process left in it is killed at the end, and it is
   removed."""
-  name = f"djel{os.getpid()}"
-  subprocess.run(["ip", "netns", "add", name], check=True)
-  etc = pathlib.Path("/etc/netns") / name
-  try:
-    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"],
-                   check=True)
-    etc.mkdir(parents=True)
-    # Ray resolves the hostname to find its node's address.
-    etc.joinpath("hosts").write_text(
-        f"127.0.0.1 localhost {socket.gethostname()}\n")
-    yield name
-  finally:
-    _kill_everything_in(name)
-    subprocess.run(["ip", "netns", "del", name], check=False)
-    shutil.rmtree(etc, ignore_errors=True)
+  with netns.LoopbackNamespace(f"djel{os.getpid()}") as made:
+    yield made
 
 
-def _kill_everything_in(namespace_name):
-  pids = subprocess.run(["ip", "netns", "pids", namespace_name],
-                        capture_output=True, text=True).stdout.split()
-  for pid in pids:
-    try:
-      os.kill(int(pid), signal.SIGKILL)
-    except ProcessLookupError:
-      pass
-
-
-def _elastic(namespace_name, workdir, *flags, wait=True):
+def _elastic(namespace, workdir, *flags, wait=True):
   """`python -m diloco_jax.elastic` on the tiny config in the namespace, as
   the docs run it; the finished process, or the running one."""
-  command = ["ip", "netns", "exec", namespace_name, sys.executable, "-m",
-             "diloco_jax.elastic", f"--config={REPO / 'configs/tiny.py'}",
-             f"--workdir={workdir}", *_flags(), *flags]
+  command = namespace.command(
+      sys.executable, "-m", "diloco_jax.elastic",
+      f"--config={REPO / 'configs/tiny.py'}", f"--workdir={workdir}",
+      *_flags(), *flags)
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   if not wait:
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -152,7 +130,7 @@ def test_an_elastic_run_equals_the_spmd_run(outer, namespace, failure_free,
 
 def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
                                                  tmp_path):
-  """Island 1's process SIGKILLs itself halfway through round 2: the round
+  """Island 1's process SIGKILLs itself during round 2: the round
   closes with island 0 alone, Ray restarts island 1, which trains round 3
   from the x it is handed on the batches it had not contributed (its
   stream stands 2 rounds in at the end, island 0's 3), with a fresh inner
@@ -201,7 +179,7 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
   while not saved.exists() and first.poll() is None:
     assert time.monotonic() < deadline, "no round was checkpointed"
     time.sleep(0.05)
-  _kill_everything_in(namespace)
+  namespace.kill_everything()
   first.wait(timeout=60)
   assert first.returncode != 0  # killed, not finished
   rounds_before = len(_records(workdir))

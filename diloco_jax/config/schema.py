@@ -75,9 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
       }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged
-      # islands. Elastic islands: kill_island has that island's process
-      # SIGKILL itself halfway through that round, once; slow_island has it
-      # sleep slow_seconds before that round's first step (a straggler).
+      # islands. Elastic islands: kill_island ('ISLAND@ROUND', or several
+      # comma-separated) has that island's process SIGKILL itself once at a
+      # step of that round drawn from the seed; slow_island has it sleep
+      # slow_seconds before that round's first step (a straggler).
       "testing": Section({"nan_island": "", "kill_island": "",
                           "slow_island": "", "slow_seconds": 10.0}),
       "log_every_seconds": 5.0,

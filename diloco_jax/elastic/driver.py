@@ -76,12 +76,18 @@ class _Tally:
 
 def _start_islands(run_config, settings, workdir) -> list:
   """One Ray actor per island, restarted by Ray when its process dies."""
-  kill_island, kill_round = settings.kill_island or (None, None)
+  config = run_config.config
+  kill_steps = [{} for _ in range(run_config.islands)]
+  for island, round_number in settings.kill_islands:
+    # A moment of the round drawn from the run's seed: the same on a rerun.
+    kill_steps[island][round_number] = int(np.random.default_rng(
+        [config.seed, island, round_number]).integers(
+            config.diloco.inner_steps))
   slow_island, slow_round = settings.slow_island or (None, None)
   actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
                      max_task_retries=0)(island_lib.IslandProgram)
   return [actor.remote(
-      run_config, i, workdir, kill_round if i == kill_island else None,
+      run_config, i, workdir, kill_steps[i],
       (slow_round, settings.slow_seconds) if i == slow_island else None)
           for i in range(run_config.islands)]
 

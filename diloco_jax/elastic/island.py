@@ -33,21 +33,22 @@ class IslandProgram:
   Args:
     run_config: the run's validated config (all islands).
     island: this island's index.
-    workdir: the run's directory (for the kill marker of tests).
-    kill_round: the 1-based round in which this island's process kills
-      itself halfway (once per run), or None.
+    workdir: the run's directory (for the kill markers of tests).
+    kill_steps: {1-based round: inner step}: this island's process kills
+      itself before that step of that round, once per run (tests and
+      benchmarks of failures).
     slow_round: (1-based round, seconds): this island sleeps that long
       before that round's first step, or None.
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, island: int,
-               workdir: str, kill_round: int | None = None,
+               workdir: str, kill_steps: dict[int, int] | None = None,
                slow_round: tuple[int, float] | None = None):
     config = run_config.config
     self.island = island
-    self._kill_round = kill_round
+    self._kill_steps = kill_steps or {}
     self._slow_round = slow_round
-    self._kill_marker = pathlib.Path(workdir) / f"killed_island_{island}"
+    self._workdir = pathlib.Path(workdir)
     self._spec = state_spec_lib.for_run(run_config)
     data_devices = config.mesh.data
     self._mesh = mesh_lib.build_mesh(1, data_devices, 1,
@@ -90,10 +91,12 @@ class IslandProgram:
       time.sleep(self._slow_round[1])
     losses = []
     for step in range(steps):
-      if (self._kill_round == round_number and step == steps // 2
-          and not self._kill_marker.exists()):
-        self._kill_marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
+      if min(self._kill_steps.get(round_number, -1), steps - 1) == step:
+        marker = (self._workdir
+                  / f"killed_island_{self.island}_round_{round_number}")
+        if not marker.exists():  # once: not again after the restart
+          marker.touch()
+          os.kill(os.getpid(), signal.SIGKILL)
       batch = jax.device_put(self._batches.next_batch(), self._batch_sharding)
       self._state, metrics = self._inner_step(self._state, batch)
       losses.append(metrics["loss"])

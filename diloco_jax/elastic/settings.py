@@ -18,15 +18,15 @@ class ElasticSettings:
     min_islands: a round closes once this many islands have sent.
     grace_seconds: how long it then waits for the others.
     max_restarts: how often a dead island's process is restarted.
-    kill_island: (island, 1-based round) whose process kills itself once
-      halfway through that round (tests), or None.
+    kill_islands: (island, 1-based round) pairs: that island's process
+      kills itself once during that round (tests, benchmarks).
     slow_island: (island, 1-based round) that sleeps `slow_seconds` before
       that round's first step (tests), or None.
   """
   min_islands: int
   grace_seconds: float
   max_restarts: int
-  kill_island: tuple[int, int] | None
+  kill_islands: tuple[tuple[int, int], ...]
   slow_island: tuple[int, int] | None = None
   slow_seconds: float = 0.0
 
@@ -76,8 +76,10 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
     raise problems_lib.ConfigError(
         f"config.elastic.max_restarts={restarts!r} must be a whole number "
         ">= 0")
-  kill, slow = (_island_at(config.testing, name, islands)
-                for name in ("kill_island", "slow_island"))
+  kill = tuple(_island_at(entry, "kill_island", islands) for entry in
+               config.testing.kill_island.split(",") if entry.strip())
+  slow = (_island_at(config.testing.slow_island, "slow_island", islands)
+          if config.testing.slow_island else None)
   slow_seconds = config.testing.slow_seconds
   if slow and not (isinstance(slow_seconds, (int, float))
                    and slow_seconds >= 0):
@@ -87,15 +89,14 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
                          float(slow_seconds))
 
 
-def _island_at(testing, name: str, islands: int):
-  """config.testing.<name> 'ISLAND@ROUND' as (island, round), or None."""
-  if not testing[name]:
-    return None
+def _island_at(spec: str, name: str, islands: int) -> tuple[int, int]:
+  """'ISLAND@ROUND' of config.testing.<name> as (island, round)."""
   try:
-    return participation.parse_nan_island(testing[name], islands)
+    return participation.parse_nan_island(spec, islands)
   except ValueError as error:
     raise problems_lib.ConfigError(
         f"config.testing.{name}: {error}") from None
+
 
 def check_answers(address: str, timeout_seconds: float = 5.0) -> None:
   """ConfigError in one line unless a Ray cluster's HOST:PORT accepts a
