@@ -19,6 +19,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from diloco_jax.run import quiet_logs
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config().",
     lock_config=True)
@@ -83,22 +85,6 @@ def _configure_devices(config) -> None:
                        _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value)
 
 
-class _QuietLibraries:
-  """Keeps orbax's log to what is news.
-
-  orbax logs through absl at INFO several lines per save, drowning the
-  progress lines: those are dropped. Its errors come without their
-  tracebacks: every failure it logs reaches the run as an exception, which
-  ends the run with one line naming the path and the reason.
-  """
-
-  def filter(self, record) -> bool:
-    if f"{os.sep}orbax{os.sep}" not in record.pathname:
-      return True
-    record.exc_info = record.exc_text = None
-    return record.levelno > 20  # 20 = INFO
-
-
 def _drop_closed_loop_callbacks(unraisable) -> None:
   """sys.unraisablehook: drops the "Event loop is closed" errors that
   tensorstore's callbacks raise when a failed checkpoint save's asyncio
@@ -144,7 +130,7 @@ def _exit(code: int, message: str, failed: bool = True) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  logging.get_absl_handler().addFilter(quiet_logs.QuietLibraries())
   sys.unraisablehook = _drop_closed_loop_callbacks
   config = _CONFIG.value
   _configure_devices(config)

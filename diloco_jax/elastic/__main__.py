@@ -3,12 +3,14 @@ a run on elastic islands (each island its own process under Ray)."""
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from diloco_jax.config import problems
 from diloco_jax.config import validation
 from diloco_jax.elastic import driver
 from diloco_jax.elastic import settings
+from diloco_jax.run import quiet_logs
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A config file (configs/*.py), as for diloco_jax.main.")
@@ -23,6 +25,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.get_absl_handler().addFilter(quiet_logs.QuietLibraries())
   config = _CONFIG.value
   try:
     # Every island is a program of its own: the mesh check counts one

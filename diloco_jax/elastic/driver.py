@@ -41,18 +41,21 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  coordinator = coordinator_lib.Coordinator(run_config, workdir)
-  resumed = coordinator.restore()
-  evaluate = _evaluator(run_config)
+  # Ray starts its processes by forking: before this process starts JAX's
+  # threads (forking a multithreaded process can deadlock the child).
   started_ray = not ray.is_initialized()
   if started_ray:
     ray.init(address=ray_address, include_dashboard=False,
              configure_logging=False)
+  coordinator = None
   try:
-    return _train(run_config, settings, coordinator, evaluate, workdir,
-                  resumed)
+    coordinator = coordinator_lib.Coordinator(run_config, workdir)
+    resumed = coordinator.restore()
+    return _train(run_config, settings, coordinator,
+                  _evaluator(run_config), workdir, resumed)
   finally:
-    coordinator.close()
+    if coordinator is not None:
+      coordinator.close()
     if started_ray:
       ray.shutdown()
 
