@@ -4,29 +4,49 @@ r"""Elastic islands under injected failures: goodput, wall time, loss (root).
       [--config=configs/default.py] [--kill_every=5] [--straggler_round=0] \
       [--straggler_seconds=30] [--coordinator_round=0] [--min_islands=0] \
       [--grace_seconds=0] [--extra_flags=--config.total_steps=120] \
-      [--out=res.json]
+      [--spmd=true] [--out=res.json]
 
 Runs `python -m diloco_jax.elastic` on the config twice, each in a network
 namespace of its own with loopback only (Ray binds there; the namespace and
 every process left in it are removed after each run):
 
-  failure-free  no failure injected.
-  failures      every --kill_every rounds (rounds N, 2N, ...) one island,
-                drawn from --seed, SIGKILLs its own process at a step of
-                that round drawn from the run's seed (Ray restarts it);
-                with --straggler_round R, island 0 sleeps
-                --straggler_seconds before round R; with
-                --coordinator_round C, every process of the run (the
-                coordinator's, Ray's, the islands') is SIGKILLed once round
-                C is checkpointed and the same command is run again.
+  elastic failure-free  no failure injected.
+  elastic failures      every --kill_every rounds (rounds N, 2N, ...) one
+                        island, drawn from --seed, SIGKILLs its own process
+                        at a step of that round drawn from the run's seed
+                        (Ray restarts it); with --straggler_round R, island
+                        0 sleeps --straggler_seconds before round R; with
+                        --coordinator_round C, every process of the run
+                        (the coordinator's, Ray's, the islands') is
+                        SIGKILLed once round C is checkpointed and the same
+                        command is run again.
+
+With --spmd (the default) it then runs today's SPMD path, `python -m
+diloco_jax.main` with the same config and --config.* flags (less the
+elastic ones) and a checkpoint every round, twice (spmd_restarts.py; no
+namespace: it starts no server):
+
+  spmd failure-free     no failure injected.
+  spmd failures         the whole job SIGKILLed at each moment of the
+                        elastic schedule (an island's death ends every
+                        island of an SPMD job; the coordinator's maps to
+                        one more kill once round C's checkpoint is
+                        finalized), and the same command run again, resuming
+                        from its newest checkpoint. The straggler is not
+                        injected: main has no hook for it (the whole job
+                        would wait for it).
 
 Per run the table gives: goodput, the island-steps whose work reached x
-over the island-steps the rounds ran (from metrics.jsonl, over both
-commands when the coordinator was killed, counting the round in flight at
-its death as run and lost); wall s, from the first command's start to the
-last one's end (Ray's start-up and the islands' compiles included); the
-final eval loss and its difference from the failure-free run; the rounds
-each island missed.
+over the island-steps run (elastic: from metrics.jsonl, over both commands
+when the coordinator was killed, counting the round in flight at its death
+as run and lost; SPMD: the run's steps over the steps its commands ran,
+each from its checkpoint to its kill); wall s, from the first command's
+start to the last one's end (Ray's start-up, the islands' compiles, each
+SPMD rerun's start-up and compile included); the final eval loss and its
+difference from the run's own failure-free run and from the elastic
+failure-free run; the rounds each elastic island missed, or each SPMD
+kill's step, the step its command had reached and the step it was rerun
+from.
 """
 
 import json
@@ -41,7 +61,10 @@ from absl import flags
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import netns  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import netns
+import spmd_restarts
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -64,6 +87,9 @@ _EXTRA = flags.DEFINE_list("extra_flags", [],
 _SEED = flags.DEFINE_integer("seed", 0, "Which island each kill hits.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/elastic_goodput",
                                "Where the runs write (emptied first).")
+_SPMD = flags.DEFINE_bool(
+    "spmd", True, "Also run the SPMD path (diloco_jax.main), killed whole at "
+    "the same moments and rerun from its checkpoints.")
 _OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
 
 
@@ -77,8 +103,9 @@ def _command(namespace, workdir, flags_):
 
 
 def _run(name: str, flags_: list[str], coordinator_round: int) -> dict:
-  """One run (two commands when the coordinator is killed); its row."""
-  workdir = pathlib.Path(_WORKDIR.value) / name
+  """One elastic run (two commands when the coordinator is killed); its
+  row."""
+  workdir = pathlib.Path(_WORKDIR.value) / name.replace(" ", "-")
   env = {**os.environ, "PYTHONPATH": str(REPO)}
   start = time.monotonic()
   killed_in_flight = 0
@@ -113,35 +140,69 @@ def _run(name: str, flags_: list[str], coordinator_round: int) -> dict:
           "rounds": len(records), "missed_rounds": missed}
 
 
+def _island_kills(islands: int, rounds: int) -> list[tuple[int, int]]:
+  """(island, round) of each kill: rounds N, 2N, ..., islands from --seed."""
+  if not _KILL_EVERY.value:
+    return []
+  rng = np.random.default_rng(_SEED.value)
+  return [(int(rng.integers(islands)), r)
+          for r in range(_KILL_EVERY.value, rounds + 1, _KILL_EVERY.value)]
+
+
 def _failure_flags(islands: int, rounds: int) -> list[str]:
   flags_ = []
-  if _KILL_EVERY.value:
-    rng = np.random.default_rng(_SEED.value)
-    kills = [f"{int(rng.integers(islands))}@{r}"
-             for r in range(_KILL_EVERY.value, rounds + 1, _KILL_EVERY.value)]
-    if kills:
-      flags_.append(f"--config.testing.kill_island={','.join(kills)}")
+  kills = [f"{i}@{r}" for i, r in _island_kills(islands, rounds)]
+  if kills:
+    flags_.append(f"--config.testing.kill_island={','.join(kills)}")
   if _STRAGGLER_ROUND.value:
     flags_ += [f"--config.testing.slow_island=0@{_STRAGGLER_ROUND.value}",
                f"--config.testing.slow_seconds={_STRAGGLER_SECONDS.value}"]
   return flags_
 
 
-def _islands_and_rounds() -> tuple[int, int]:
-  """The config's islands and rounds, as the runs will read them."""
+def _spmd_rows(shape: dict) -> list[dict]:
+  """The SPMD path's runs: failure-free, then killed whole at the elastic
+  failures' moments (spmd_restarts.py)."""
+  # main's flags: the config's, less the elastic islands' own.
+  main_flags = [f for f in _EXTRA.value if f.startswith("--config.")
+                  and not f.startswith(("--config.elastic.",
+                                        "--config.testing.kill_island",
+                                        "--config.testing.slow_"))]
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  moments = spmd_restarts.kills(
+      _island_kills(shape["islands"], shape["rounds"]),
+      _COORDINATOR_ROUND.value, seed=shape["seed"],
+      inner_steps=shape["inner_steps"], total_steps=shape["total_steps"])
+  rows = []
+  for name, kills in (("spmd failure-free", []), ("spmd failures", moments)):
+    workdir = pathlib.Path(_WORKDIR.value) / name.replace(" ", "-")
+    command = [sys.executable, "-m", "diloco_jax.main",
+               f"--config={REPO / _CONFIG.value}", f"--workdir={workdir}",
+               *main_flags,
+               # What a user who expects failures sets (the last one wins).
+               "--config.checkpoint.every_rounds=1"]
+    rows.append(spmd_restarts.run(name, command, workdir, kills,
+                                  shape["total_steps"], env))
+  return rows
+
+
+def _shape() -> dict:
+  """The config's islands, rounds, seed, H and steps, as the runs will read
+  them."""
   probe = subprocess.run(
       [sys.executable, "-c",
        "import sys; from ml_collections import config_flags; "
        "from absl import flags; "
        "c = config_flags.DEFINE_config_file('config'); "
        "flags.FLAGS(sys.argv[:1] + sys.argv[1:]); c = c.value; "
-       "print(c.diloco.islands, -(-c.total_steps // c.diloco.inner_steps))",
+       "print(c.diloco.islands, -(-c.total_steps // c.diloco.inner_steps), "
+       "c.seed, c.diloco.inner_steps, c.total_steps)",
        f"--config={REPO / _CONFIG.value}",
        *[f for f in _EXTRA.value if f.startswith("--config.")]],
       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
       text=True, check=True)
-  islands, rounds = probe.stdout.split()
-  return int(islands), int(rounds)
+  return dict(zip(("islands", "rounds", "seed", "inner_steps", "total_steps"),
+                  map(int, probe.stdout.split())))
 
 
 def main(argv):
@@ -149,20 +210,32 @@ def main(argv):
   if os.geteuid() != 0:
     raise SystemExit("needs root (ip netns); run it with sudo")
   subprocess.run(["rm", "-rf", _WORKDIR.value], check=True)
-  islands, rounds = _islands_and_rounds()
-  rows = [_run("failure-free", [], 0),
-          _run("failures", _failure_flags(islands, rounds),
+  shape = _shape()
+  islands, rounds = shape["islands"], shape["rounds"]
+  rows = [_run("elastic failure-free", [], 0),
+          _run("elastic failures", _failure_flags(islands, rounds),
                _COORDINATOR_ROUND.value)]
-  base = rows[0]["final_eval_loss"]
+  if _SPMD.value:
+    rows += _spmd_rows(shape)
   print(f"{islands} islands, {rounds} rounds, {_CONFIG.value} "
         f"{' '.join(_EXTRA.value)}")
-  print(f"{'run':<14}{'goodput':>9}{'wall s':>9}{'eval loss':>11}"
-        f"{'vs free':>9}  missed rounds per island")
+  if _SPMD.value and _STRAGGLER_ROUND.value:
+    print("spmd failures: the straggler is not injected (main has no hook)")
+  print(f"{'run':<22}{'goodput':>9}{'wall s':>9}{'eval loss':>11}"
+        f"{'vs own free':>13}{'vs elastic free':>17}  missed rounds per "
+        "island (elastic) or kills (spmd)")
   for row in rows:
-    row["vs_failure_free"] = row["final_eval_loss"] / base - 1
-    print(f"{row['run']:<14}{row['goodput']:>9.3f}{row['wall_s']:>9.1f}"
-          f"{row['final_eval_loss']:>11.4f}{row['vs_failure_free']:>+9.2%}"
-          f"  {row['missed_rounds']}")
+    # Each run against its own path's failure-free run (rows 0 and 2).
+    own = rows[2 if row["run"].startswith("spmd") else 0]
+    row["vs_failure_free"] = (row["final_eval_loss"]
+                              / own["final_eval_loss"] - 1)
+    row["vs_elastic_failure_free"] = (row["final_eval_loss"]
+                                      / rows[0]["final_eval_loss"] - 1)
+    said = (spmd_restarts.describe(row) if "commands" in row
+            else str(row["missed_rounds"]))
+    print(f"{row['run']:<22}{row['goodput']:>9.3f}{row['wall_s']:>9.1f}"
+          f"{row['final_eval_loss']:>11.4f}{row['vs_failure_free']:>+13.2%}"
+          f"{row['vs_elastic_failure_free']:>+17.2%}  {said}")
   if _OUT.value:
     pathlib.Path(_OUT.value).write_text(json.dumps(rows, indent=2))
 

@@ -4,8 +4,10 @@ r"""The papers' network settings side by side, through our network model.
 
 Prints markdown tables (docs/network_model.md pastes them): what
 diloco_jax/analysis/network_model.py says about DiLoCoX's 107B run over
-1 Gbit/s, OpenDiLoCo's and INTELLECT-1's utilization across continents, and the
-bandwidth Streaming DiLoCo's simulation needs for 95% utilization at 1B.
+1 Gbit/s, OpenDiLoCo's and INTELLECT-1's utilization across continents, the
+bandwidth Streaming DiLoCo's simulation needs for 95% utilization at 1B, and
+what the elastic path's coordinator (analysis/star_channel.py) costs against
+a ring all-reduce.
 
 Each setting's inputs are written below as the papers give them. What the
 papers do not give (step time, latency, and for DiLoCoX H and the
@@ -14,12 +16,19 @@ assumptions, marked `*` in the tables and settable by flags. The model
 computes; nothing is fitted to the papers' figures.
 """
 
+import math
+
 from absl import app
 from absl import flags
+import jax
 
+from configs import c4_150m
+from configs import default as default_config
 from diloco_jax.analysis import network_model as nm
+from diloco_jax.analysis import star_channel
 from diloco_jax.analysis import workloads
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.model import transformer as model_lib
 
 # Streaming DiLoCo sends 4-bit floats; int4 sends as many bytes where this
 # tree's codecs have no fp4.
@@ -71,6 +80,9 @@ _GPU_FLOPS = flags.DEFINE_float(
 _MFU = flags.DEFINE_float(
     "dilocox_mfu", 0.4, "DiLoCoX-style scaling: model FLOP utilization "
     "inside an island (assumed).")
+_ELASTIC_LATENCY_S = flags.DEFINE_float(
+    "elastic_latency_s", 0.01,
+    "Elastic channel: one-way latency of every link (assumed).")
 
 GBIT = 1e9
 
@@ -272,6 +284,40 @@ def streaming() -> list[str]:
   return lines
 
 
+def _seconds(t: float) -> str:
+  return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:,.2f} s"
+
+
+def elastic_channel() -> list[str]:
+  """One round's exchange of the elastic path (k islands, a coordinator;
+  x down in float32, the params up in float32 or int8) against a ring
+  all-reduce of the same payloads, over 1 Gbit/s links."""
+  link, rows = nm.Link(1 * GBIT, _ELASTIC_LATENCY_S.value), []
+  int8 = codecs.make_codec("int8")
+  need = lambda t: _seconds(star_channel.compute_for_utilization(0.9, t))
+  for name, module in (("default", default_config), ("150M", c4_150m)):
+    shapes = model_lib.param_shapes(module.get_config().model)
+    n = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+    # int8 encodes the flat vector: values plus a scale per block.
+    blocks = math.ceil(n / int8.block_size) * int8.block_size
+    for up_name, up in (("fp32", 4 * n), ("int8", int8.payload_bytes(blocks))):
+      for k in (2, 4, 8, 16):
+        star = star_channel.Star(up, 4 * n)
+        wide = star_channel.Star(up, 4 * n, k * link.bandwidth_bits_per_s)
+        s = star_channel.star_time(star, k, link)
+        r = star_channel.ring_time(star, k, link)
+        w_c = star_channel.crossover_bits_per_s(star, k, link)
+        match = "never" if w_c == math.inf else (
+            f"{w_c / GBIT:.2f} Gbit/s ({w_c / link.bandwidth_bits_per_s:.1f}"
+            " W)")
+        rows.append(
+            f"| {name} ({n / 1e6:.1f}M) | {up_name}, {_bytes(up)} | {k} | "
+            f"{_seconds(s)} | {_seconds(star_channel.star_time(wide, k, link))}"
+            f" | {_seconds(r)} | {s / r:.1f}x | {match} | {need(s)} / "
+            f"{need(r)} |")
+  return rows
+
+
 def main(argv):
   del argv
   x_rows, x_notes = dilocox()
@@ -305,6 +351,16 @@ def main(argv):
         "every step |")
   print("|---|---|---|---|---|---|---|---|")
   print("\n".join(dilocox_scaling()))
+  print()
+  print(f"The elastic channel: one round's exchange over 1 Gbit/s links "
+        f"(W), latency {_ELASTIC_LATENCY_S.value * 1e3:g} ms*; x sent down "
+        "in fp32; star: through a coordinator whose link is W_c; ring: an "
+        "all-reduce of the same payloads among the islands\n")
+  print("| model | up payload | k | star, W_c = W | star, W_c = k W | ring |"
+        " star / ring (W_c = W) | W_c for the star to match the ring | "
+        "compute per round for 90%: star / ring |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n".join(elastic_channel()))
 
 
 if __name__ == "__main__":

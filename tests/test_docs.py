@@ -406,7 +406,7 @@ def _elastic_problems(args: list[str]) -> list[str]:
     values = _parse("diloco_jax.elastic", args)
     config = values.config
     run_config = validation.validate_config(
-        config, config.diloco.islands * config.mesh.data)
+        config, config.diloco.islands * config.mesh.data, elastic=True)
     elastic_settings.check(run_config)
   except Exception as e:  # pylint: disable=broad-except
     return [str(e).strip().splitlines()[-1]]

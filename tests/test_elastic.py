@@ -13,11 +13,15 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from configs import tiny
 from diloco_jax.config import problems
 from diloco_jax.config import validation
+from diloco_jax.elastic import coordinator as coordinator_lib
+from diloco_jax.elastic import membership
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.run import train
 from benchmarks import netns
@@ -36,7 +40,7 @@ def _config(**overrides):
 
 def _run_config(config):
   return validation.validate_config(
-      config, config.diloco.islands * config.mesh.data)
+      config, config.diloco.islands * config.mesh.data, elastic=True)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -47,12 +51,27 @@ def _run_config(config):
      "config.diloco.overlap='eager' with python -m diloco_jax.elastic"),
     ({"diloco.fragments": 2, "model.num_layers": 2},
      "config.diloco.fragments=2 with python -m diloco_jax.elastic"),
+    ({"diloco.island_schedule": "1->2"},
+     "config.diloco.dropped_islands='train': an elastic island out of"),
     ({"testing.kill_island": "1@2,5@1"},
      "config.testing.kill_island: '5@1'"),
 ])
 def test_bad_elastic_settings_are_one_line(overrides, message):
   with pytest.raises(problems.ConfigError, match=message) as error:
     settings_lib.check(_run_config(_config(**overrides)))
+  assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("hook,value", [("kill_island", "1@2"),
+                                        ("slow_island", "0@1")])
+def test_spmd_runs_refuse_the_elastic_failure_hooks(hook, value):
+  """An SPMD run's islands are one program: a hook that would kill or slow
+  one island alone is refused in one line, not silently ignored."""
+  config = _config(**{f"testing.{hook}": value})
+  with pytest.raises(problems.ConfigError,
+                     match=f"config.testing.{hook}='{value}' is for elastic"
+                     ) as error:
+    validation.validate_config(config, config.diloco.islands)
   assert "\n" not in str(error.value)
 
 
@@ -213,3 +232,124 @@ def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
   assert _summary(workdir)["data_states"] == [
       {"step": n * steps} for n in contributed]
   assert contributed[0] == 3
+
+
+def test_islands_join_and_leave_between_rounds(namespace, tmp_path):
+  """With island_schedule '1<->2' slot 1 is a member of round 2 only: its
+  process starts for round 2 (a fresh inner optimizer state, from round
+  2's x, on its slot's first batches), contributes, and is ended before
+  round 3. Every member contributes every round it is a member of, so
+  goodput is 1; each slot's stream stands after exactly its rounds."""
+  workdir = str(tmp_path / "members")
+  _elastic(namespace, workdir, "--config.diloco.island_schedule=1<->2",
+           "--config.diloco.dropped_islands=idle")
+  records = _records(workdir)
+  assert [r["members"] for r in records] == [[0], [0, 1], [0]]
+  assert [r["joined"] for r in records] == [[0], [1], []]
+  assert [r["left"] for r in records] == [[], [], [1]]
+  assert [r["included"] for r in records] == [[1, 0], [1, 1], [1, 0]]
+  summary = _summary(workdir)
+  assert summary["goodput"] == 1.0
+  steps = RUN["diloco.inner_steps"]
+  assert summary["data_states"] == [{"step": 3 * steps}, {"step": steps}]
+
+
+def test_the_members_file_sets_the_next_rounds_members(tmp_path):
+  """`python -m diloco_jax.elastic.members` writes the control file the
+  coordinator reads before each round; a bad file is reported and the
+  schedule holds; bad input to the command is one line."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(
+      _config().to_json_best_effort())
+
+  def command(*flags):
+    return subprocess.run(
+        [sys.executable, "-m", "diloco_jax.elastic.members",
+         f"--workdir={workdir}", *flags],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+        text=True, timeout=120)
+
+  assert membership.members(str(workdir), 2, "", 0, 3) == ([0, 1], None)
+  done = command("--islands=1")
+  assert done.returncode == 0, done.stderr
+  assert membership.members(str(workdir), 2, "", 0, 3) == ([1], None)
+  for bad in ("--islands=2", "--islands=a"):
+    done = command(bad)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: --islands: islands")
+  assert membership.members(str(workdir), 2, "", 0, 3) == ([1], None)
+  (workdir / membership.CONTROL_FILE).write_text('{"islands": [5]}')
+  members, problem = membership.members(str(workdir), 2, "2->1", 2, 3)
+  assert members == [0] and "members.json ignored" in problem
+  assert command("--islands=schedule").returncode == 0
+  assert membership.members(str(workdir), 2, "", 0, 3) == ([0, 1], None)
+  done = subprocess.run(
+      [sys.executable, "-m", "diloco_jax.elastic.members",
+       f"--workdir={tmp_path / 'nothing'}", "--islands=0"],
+      env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+      text=True, timeout=120)
+  assert "is not an elastic run's directory" in done.stderr
+
+
+def test_a_late_result_is_applied_by_the_staleness_rule(namespace,
+                                                        tmp_path):
+  """With stale_rounds=1 a straggler's round-2 result, too late for round
+  2 (island 1 sleeps 12 s; the round closes 8 s after island 0's answer),
+  is applied in round 3 against the x it started from, at half weight.
+  Island 1 gets no round-3 call while it finishes round 2, so no work is
+  lost: goodput 1, and its stream stands after the 3 rounds it trained."""
+  workdir = str(tmp_path / "stale")
+  _elastic(namespace, workdir, "--config.total_steps=16",
+           "--config.elastic.min_islands=1",
+           "--config.elastic.grace_seconds=8",
+           "--config.elastic.stale_rounds=1",
+           "--config.testing.slow_island=1@2",
+           "--config.testing.slow_seconds=12")
+  records = _records(workdir)
+  assert [r["included"] for r in records] == [[1, 1], [1, 0], [1, 1],
+                                              [1, 1]]
+  assert records[1]["late"] == [1]
+  assert [r["stale"] for r in records] == [{}, {}, {"1": 1}, {}]
+  summary = _summary(workdir)
+  assert summary["goodput"] == 1.0
+  steps = RUN["diloco.inner_steps"]
+  assert summary["data_states"] == [{"step": 4 * steps},
+                                    {"step": 3 * steps}]
+
+
+def test_a_stale_result_counts_its_own_update_at_reduced_weight(tmp_path):
+  """The coordinator's staleness rule on its own: with outer SGD at lr 1
+  (x moves to the weighted mean of the pseudo-gradients) a result two
+  rounds old moves x by its own update, y - x_then, at weight w / 3
+  beside a fresh island's at w. fp32 sums in another order: 1e-6."""
+  config = _config(**{"diloco.outer_optimizer.name": "sgd",
+                      "diloco.outer_optimizer.learning_rate": 1.0,
+                      "elastic.stale_rounds": 2})
+  coordinator = coordinator_lib.Coordinator(_run_config(config),
+                                            str(tmp_path))
+  rng = np.random.default_rng(0)
+
+  def trained(x, round_number):
+    return {"params": jax.tree.map(
+        lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype), x),
+            "round": round_number, "share": 1.0, "tokens": 100,
+            "data_state": {"step": round_number}}
+
+  x_1 = coordinator.x
+  late = trained(x_1, 1)
+  coordinator.close_round({0: trained(x_1, 1)}, 1)
+  coordinator.close_round({0: trained(coordinator.x, 2)}, 2)
+  x_3 = coordinator.x
+  fresh = trained(x_3, 3)
+  included = coordinator.close_round({0: fresh, 1: late}, 3)
+  assert included.tolist() == [True, True]
+  expected = jax.tree.map(
+      lambda x, y0, x1, y1: x + (1.0 * (y0 - x) + (y1 - x1) / 3) / (4 / 3),
+      x_3, fresh["params"], x_1, late["params"])
+  for got, want in zip(jax.tree.leaves(coordinator.x),
+                       jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert coordinator.data_states == [{"step": 3}, {"step": 1}]
+  coordinator.close()

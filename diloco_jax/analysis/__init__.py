@@ -5,6 +5,8 @@
   network_model.py  an analytic model of a round over a slow link: time,
                     stalls, utilization, the bandwidth a target needs;
                     link_queue.py solves collectives queued on the link.
+  star_channel.py   the elastic channel: a round's exchange through a
+                    central coordinator against a ring all-reduce.
   workloads.py      the network model's workloads from a params tree, a
                     codec or a run's config, and summary.json's estimate.
 

@@ -1,6 +1,7 @@
 """The config: its fields, one validation, and what it stands for.
 
   schema.py        every field with its default and meaning (base_config).
+  schema_diloco.py the config.diloco section of it.
   validation.py    validate_config: every check at once, one ConfigError
                    listing every problem; returns a RunConfig.
   diloco_checks.py the checks of config.diloco.

@@ -74,8 +74,8 @@ _FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
 
 def validate_config(
     config, num_devices: int,
-    command_line: command_line_lib.CommandLine | None = None
-) -> run_config.RunConfig:
+    command_line: command_line_lib.CommandLine | None = None,
+    elastic: bool = False) -> run_config.RunConfig:
   """The checked `config` as a RunConfig; ConfigError listing every problem.
 
   The RunConfig holds `config` with the outer settings its file made for
@@ -88,6 +88,9 @@ def validate_config(
     num_devices: how many devices the mesh can be built from.
     command_line: the config file and --config.* flags `config` was built
       from (main.py's), or None for a config built in Python.
+    elastic: whether the run is on elastic islands (python -m
+      diloco_jax.elastic), the only runs whose islands the testing hooks
+      kill_island and slow_island reach.
   """
   config, outer_note = outer_choice.choose(config, command_line)
   outer = config.diloco.outer_optimizer
@@ -109,6 +112,7 @@ def validate_config(
   _check_network(config, problems)
   _check_start(config, problems)
   _check_safety(config, problems)
+  _check_elastic_hooks(config, elastic, problems)
   _check_optimizers(config, problems)
   _check_model(config, problems)
   data = _check_data(config, problems)
@@ -119,6 +123,17 @@ def validate_config(
   return run_config.build(
       config, data,
       outer_step=outer_choice.describe(config, set_outer, outer_note))
+
+
+def _check_elastic_hooks(config, elastic: bool, problems: Problems) -> None:
+  """The elastic runs' failure hooks, refused where they would do nothing:
+  an SPMD run's islands are one program, so one island cannot die alone."""
+  for name in ("kill_island", "slow_island"):
+    problems.require(
+        elastic or not config.testing[name], f"testing.{name}",
+        f"config.testing.{name}={config.testing[name]!r} is for elastic "
+        "islands (python -m diloco_jax.elastic); an SPMD run's islands are "
+        "one program")
 
 
 def _check_mesh(config, num_devices: int, problems: Problems) -> None:

@@ -31,7 +31,7 @@ def main(argv):
     # Every island is a program of its own: the mesh check counts one
     # island's devices, the islands' count being the run's.
     run_config = validation.validate_config(
-        config, config.diloco.islands * config.mesh.data)
+        config, config.diloco.islands * config.mesh.data, elastic=True)
     settings.check(run_config)
     if _RAY_ADDRESS.value not in (None, "auto"):
       settings.check_answers(_RAY_ADDRESS.value)

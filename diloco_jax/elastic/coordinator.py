@@ -48,6 +48,8 @@ class Coordinator:
     self.rounds_done = 0
     self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands
+    self._stale_rounds = config.elastic.stale_rounds
+    self._x_of_round = {}  # round -> the x it started from
     self._outer = jax.jit(functools.partial(
         library.outer_update, outer_tx=self._outer_tx,
         compression=self._compression))
@@ -56,17 +58,30 @@ class Coordinator:
         options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
   def close_round(self, results: dict[int, dict],
-                  shares: list[float]) -> np.ndarray:
-    """One outer step on the params of the islands in `results` (island ->
-    IslandProgram.train_round's result), each weighted by its share of the
-    corpus times the tokens it trained; the others (dead, late) are left
-    out and keep their data position. Returns which islands took part."""
-    islands = jax.tree.map(
-        lambda *leaves: np.stack(leaves),
-        *[results[i]["params"] if i in results else self.x
-          for i in range(self._islands)])
-    weights = np.array([shares[i] * results[i]["tokens"] if i in results
-                        else 0.0 for i in range(self._islands)], np.float32)
+                  round_number: int) -> np.ndarray:
+    """Round `round_number`'s outer step on the params of the islands in
+    `results` (island -> IslandProgram.train_round's result), each weighted
+    by its share of the corpus times the tokens it trained; the others
+    (dead, late, not members) are left out and keep their data position.
+
+    A result of an earlier round (a late island's, kept by the staleness
+    rule) counts with its pseudo-gradient against the x it started from,
+    its weight divided by 1 + its staleness in rounds. Returns which
+    islands took part."""
+    self._x_of_round[round_number] = self.x
+    params, weights = [], []
+    for i in range(self._islands):
+      result = results.get(i)
+      if result is None:
+        params.append(self.x)
+        weights.append(0.0)
+        continue
+      staleness = round_number - result["round"]
+      params.append(result["params"] if staleness == 0 else _rebased(
+          self.x, self._x_of_round[result["round"]], result["params"]))
+      weights.append(result["share"] * result["tokens"] / (1 + staleness))
+    islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
+    weights = np.array(weights, np.float32)
     # What one island's payload costs over the link, as the SPMD runs
     # count it (the codec's bytes at this round's ranks).
     self.round_bytes = library.bytes_sent(self.x, self._islands,
@@ -79,6 +94,10 @@ class Coordinator:
     for i in np.flatnonzero(included):
       self.data_states[i] = results[int(i)]["data_state"]
     self.rounds_done += 1
+    # The x each round started from, kept while a late result of that
+    # round could still be applied.
+    self._x_of_round = {r: x for r, x in self._x_of_round.items()
+                        if r > round_number - self._stale_rounds}
     return included
 
   def save(self) -> None:
@@ -110,3 +129,9 @@ class Coordinator:
   def close(self) -> None:
     self._checkpoints.close()
 
+
+
+def _rebased(x, x_then, y_then):
+  """Params whose pseudo-gradient against x is y_then's against x_then: a
+  late island's update, moved onto the x the round closes on."""
+  return jax.tree.map(lambda a, b, c: a - (b - c), x, x_then, y_then)

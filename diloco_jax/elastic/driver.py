@@ -22,6 +22,7 @@ from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import island as island_lib
+from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.parallel import mesh as mesh_lib
@@ -63,22 +64,22 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
 @dataclasses.dataclass
 class _Tally:
   """What this run's rounds added up to (island-steps, bytes)."""
-  possible: int = 0  # island-steps the rounds could have used
+  possible: int = 0  # island-steps the rounds' members could have used
   contributed: int = 0  # island-steps whose work reached x
   comm_bytes: int = 0  # what one island sent through the codec
-  ray_bytes: int = 0  # what the islands' params took through Ray
+  ray_bytes: int = 0  # what the islands' params took through Ray (up)
 
-  def add(self, islands: int, steps: int, included: np.ndarray,
-          round_bytes: int, params_bytes: int) -> None:
-    self.possible += islands * steps
-    self.contributed += int(included.sum()) * steps
+  def add(self, possible: int, contributed: int, round_bytes: int,
+          ray_bytes: int) -> None:
+    self.possible += possible
+    self.contributed += contributed
     self.comm_bytes += round_bytes
-    # The islands send their params through Ray in float32.
-    self.ray_bytes += int(included.sum()) * params_bytes
+    self.ray_bytes += ray_bytes
 
 
-def _start_islands(run_config, settings, workdir) -> list:
-  """One Ray actor per island, restarted by Ray when its process dies."""
+def _island_launcher(run_config, settings, workdir):
+  """launch(slot) -> a new Ray actor training that slot, restarted by Ray
+  when its process dies."""
   config = run_config.config
   kill_steps = [{} for _ in range(run_config.islands)]
   for island, round_number in settings.kill_islands:
@@ -86,46 +87,87 @@ def _start_islands(run_config, settings, workdir) -> list:
     kill_steps[island][round_number] = int(np.random.default_rng(
         [config.seed, island, round_number]).integers(
             config.diloco.inner_steps))
-  slow_island, slow_round = settings.slow_island or (None, None)
+  slow_rounds = [{} for _ in range(run_config.islands)]
+  for island, round_number in settings.slow_islands:
+    slow_rounds[island][round_number] = settings.slow_seconds
   actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
                      max_task_retries=0)(island_lib.IslandProgram)
-  return [actor.remote(
-      run_config, i, workdir, kill_steps[i],
-      (slow_round, settings.slow_seconds) if i == slow_island else None)
-          for i in range(run_config.islands)]
+  return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
+                                slow_rounds[i])
+
+
+def _change_members(programs: dict, members: list[int],
+                    launch) -> tuple[list[int], list[int]]:
+  """Starts a process for each slot that joins and ends the process of
+  each that leaves (between rounds: nothing of theirs is in flight but a
+  late round, dropped already). Returns (joined, left)."""
+  joined = [i for i in members if i not in programs]
+  left = [i for i in programs if i not in members]
+  for i in left:
+    ray.kill(programs.pop(i))
+  for i in joined:
+    programs[i] = launch(i)
+  return joined, left
 
 
 def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
   config = run_config.config
-  islands = run_config.islands
+  slots = run_config.islands
   inner_steps = config.diloco.inner_steps
   rounds = -(-config.total_steps // inner_steps)
-  programs = _start_islands(run_config, settings, workdir)
-  shares = ray.get([program.share.remote() for program in programs])
+  launch = _island_launcher(run_config, settings, workdir)
+  programs = {}  # slot -> its process's actor, for this round's members
   params_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(
       coordinator.x))
   tally = _Tally()
   rejoining = set()  # islands whose process died last round
+  in_flight = {}  # island -> (its late call, the round it trains)
   start_time = time.monotonic()
   with open(os.path.join(workdir, "metrics.jsonl"), "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
       first_step = coordinator.rounds_done * inner_steps
       steps = min(inner_steps, config.total_steps - first_step)
+      members, problem = membership.members(
+          workdir, slots, config.diloco.island_schedule, round_number - 1,
+          rounds)
+      if problem:
+        logging.warning("%s", problem)
+      joined, left = _change_members(programs, members, launch)
+      rejoining -= set(left)
+      for i in left:
+        in_flight.pop(i, None)
       x = ray.put(coordinator.x)
-      calls = {_train_call(programs[i], i in rejoining).remote(
-          x, round_number, coordinator.data_states[i], steps): i
-               for i in range(islands)}
+      # An island still training an earlier round (kept for the staleness
+      # rule) gets no new call: its late result is this round's.
+      calls = {ref: i for i, (ref, _) in in_flight.items()}
+      started = {ref: r for ref, r in in_flight.values()}
+      for i in members:
+        if i not in in_flight:
+          ref = _train_call(programs[i], i in rejoining).remote(
+              x, round_number, coordinator.data_states[i], steps)
+          calls[ref], started[ref] = i, round_number
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
-      included = coordinator.close_round(came_back.results, shares)
+      included = coordinator.close_round(came_back.results, round_number)
       rejoining = set(came_back.failed)
+      # A late call is kept while its result could still be applied.
+      in_flight = {calls[ref]: (ref, started[ref])
+                   for ref in came_back.pending
+                   if round_number + 1 - started[ref] <= settings.stale_rounds}
       coordinator.save()
-      tally.add(islands, steps, included, coordinator.round_bytes,
-                params_bytes)
+      tally.add(sum(started[ref] == round_number for ref in calls) * steps,
+                sum(len(result["losses"]) for i, result in
+                    came_back.results.items() if included[i]),
+                coordinator.round_bytes,
+                len(came_back.results) * params_bytes)
       record = _round_record(round_number, first_step + steps, included,
                              came_back)
+      record.update(members=members, joined=joined, left=left,
+                    stale={i: round_number - result["round"] for i, result
+                           in came_back.results.items()
+                           if included[i] and result["round"] < round_number})
       every = config.eval.every_rounds
       if round_number == rounds or (every and round_number % every == 0):
         record["eval_loss"] = evaluate(coordinator.x)

@@ -37,17 +37,17 @@ class IslandProgram:
     kill_steps: {1-based round: inner step}: this island's process kills
       itself before that step of that round, once per run (tests and
       benchmarks of failures).
-    slow_round: (1-based round, seconds): this island sleeps that long
-      before that round's first step, or None.
+    slow_rounds: {1-based round: seconds}: this island sleeps that long
+      before that round's first step (a straggler).
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, island: int,
                workdir: str, kill_steps: dict[int, int] | None = None,
-               slow_round: tuple[int, float] | None = None):
+               slow_rounds: dict[int, float] | None = None):
     config = run_config.config
     self.island = island
     self._kill_steps = kill_steps or {}
-    self._slow_round = slow_round
+    self._slow_rounds = slow_rounds or {}
     self._workdir = pathlib.Path(workdir)
     self._spec = state_spec_lib.for_run(run_config)
     data_devices = config.mesh.data
@@ -64,21 +64,20 @@ class IslandProgram:
     self._state = None  # built at the first round, from that round's x
     self.tokens_per_step = (config.data.batch_size
                             * config.data.sequence_length)
+    # This island's share of the corpus (times k: 1 for iid islands).
+    weights = self._batches.island_token_weights()
+    self.share = float(weights[island] * len(weights))
 
   def pid(self) -> int:
     """This island's process id (tests kill it)."""
     return os.getpid()
 
-  def share(self) -> float:
-    """This island's share of the corpus (times k: 1 for iid islands)."""
-    weights = self._batches.island_token_weights()
-    return float(weights[self.island] * len(weights))
-
   def train_round(self, x, round_number: int, data_state: dict | None,
                   steps: int) -> dict:
     """`steps` inner steps from x, on the batches after `data_state` (None:
     the stream's start). Returns the island's params y (host arrays), the
-    stream position after them, the train losses and the tokens trained."""
+    stream position after them, the train losses, the tokens trained and
+    the island's share of the corpus."""
     if data_state is not None:
       self._batches.restore(data_state)
     if self._state is None:
@@ -87,8 +86,7 @@ class IslandProgram:
       self._state = self._state.replace(island_params=jax.device_put(
           state_lib.stack_islands(x, 1),
           self._shardings().island_params))
-    if self._slow_round and self._slow_round[0] == round_number:
-      time.sleep(self._slow_round[1])
+    time.sleep(self._slow_rounds.get(round_number, 0))
     losses = []
     for step in range(steps):
       if min(self._kill_steps.get(round_number, -1), steps - 1) == step:
@@ -101,11 +99,12 @@ class IslandProgram:
       self._state, metrics = self._inner_step(self._state, batch)
       losses.append(metrics["loss"])
     return {
-        "island": self.island, "params": jax.device_get(
+        "island": self.island, "round": round_number,
+        "params": jax.device_get(
             jax.tree.map(lambda a: a[0], self._state.island_params)),
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
-        "tokens": steps * self.tokens_per_step}
+        "tokens": steps * self.tokens_per_step, "share": self.share}
 
   def _shardings(self):
     return state_lib.state_shardings(self._state, self._mesh)

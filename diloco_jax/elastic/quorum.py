@@ -1,9 +1,9 @@
 """When an elastic round closes: once `min_islands` islands have sent
 their params and `grace_seconds` more have passed (or every island has
 answered). An island whose process died is out of the round; one still
-training at the close is late, and its params for that round are dropped
-(it trains the same batches again in a later round: nothing it did not
-contribute counts).
+training at the close is late: its call is handed back pending, for the
+driver to keep (the staleness rule) or drop (it then trains the same
+batches again in a later round: nothing it did not contribute counts).
 """
 
 import dataclasses
@@ -21,11 +21,13 @@ class RoundResults:
     results: island -> IslandProgram.train_round's result.
     failed: island -> why its call failed (its process died, or raised).
     late: the islands still training when the round closed.
+    pending: their calls (ObjectRefs), still running.
     seconds: from the round's start to its close.
   """
   results: dict
   failed: dict
   late: list
+  pending: list
   seconds: float
 
 
@@ -59,4 +61,4 @@ def collect(calls: dict, min_islands: int,
     ready, pending = ray.wait(pending, num_returns=1, timeout=left)
     take(ready)
   return RoundResults(results, failed, [calls[ref] for ref in pending],
-                      time.monotonic() - start)
+                      pending, time.monotonic() - start)

@@ -20,15 +20,18 @@ class ElasticSettings:
     max_restarts: how often a dead island's process is restarted.
     kill_islands: (island, 1-based round) pairs: that island's process
       kills itself once during that round (tests, benchmarks).
-    slow_island: (island, 1-based round) that sleeps `slow_seconds` before
-      that round's first step (tests), or None.
+    slow_islands: (island, 1-based round) pairs: that island sleeps
+      `slow_seconds` before that round's first step (a straggler).
+    stale_rounds: how many rounds late an island's result may arrive and
+      still be applied (0: a late result is dropped).
   """
   min_islands: int
   grace_seconds: float
   max_restarts: int
   kill_islands: tuple[tuple[int, int], ...]
-  slow_island: tuple[int, int] | None = None
+  slow_islands: tuple[tuple[int, int], ...] = ()
   slow_seconds: float = 0.0
+  stale_rounds: int = 0
 
 
 # (setting, the value elastic islands need, why) for what they do not run
@@ -44,6 +47,10 @@ _NOT_YET = (
      "the coordinator holds the outer state"),
     ("diloco.drop_probability", 0.0,
      "elastic rounds leave out the islands that fail, not drawn ones"),
+    ("pretrain_steps", 0, "elastic runs start from the seed's model"),
+    ("init_from", "", "elastic runs start from the seed's model"),
+    ("testing.nan_island", "",
+     "elastic islands are tested by killing their processes"),
 )
 
 
@@ -58,6 +65,14 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
       raise problems_lib.ConfigError(
           f"config.{name}={value!r} with python -m diloco_jax.elastic: "
           f"{why} (config.{name}={needed!r})")
+  if config.diloco.island_schedule and (
+      config.diloco.dropped_islands != "idle"):
+    raise problems_lib.ConfigError(
+        f"config.diloco.island_schedule={config.diloco.island_schedule!r} "
+        f"with config.diloco.dropped_islands="
+        f"{config.diloco.dropped_islands!r}: an elastic island out of the "
+        "membership has no process, so it cannot train on "
+        "(config.diloco.dropped_islands='idle')")
   elastic, islands = config.elastic, run_config.islands
   min_islands = elastic.min_islands or islands
   if not (isinstance(elastic.min_islands, int)
@@ -76,23 +91,28 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
     raise problems_lib.ConfigError(
         f"config.elastic.max_restarts={restarts!r} must be a whole number "
         ">= 0")
-  kill = tuple(_island_at(entry, "kill_island", islands) for entry in
-               config.testing.kill_island.split(",") if entry.strip())
-  slow = (_island_at(config.testing.slow_island, "slow_island", islands)
-          if config.testing.slow_island else None)
+  stale = elastic.stale_rounds
+  if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
+    raise problems_lib.ConfigError(
+        f"config.elastic.stale_rounds={stale!r} must be a whole number >= 0")
+  kill = _islands_at(config.testing.kill_island, "kill_island", islands)
+  slow = _islands_at(config.testing.slow_island, "slow_island", islands)
   slow_seconds = config.testing.slow_seconds
   if slow and not (isinstance(slow_seconds, (int, float))
                    and slow_seconds >= 0):
     raise problems_lib.ConfigError(
         f"config.testing.slow_seconds={slow_seconds!r} must be >= 0")
   return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
-                         float(slow_seconds))
+                         float(slow_seconds), stale)
 
 
-def _island_at(spec: str, name: str, islands: int) -> tuple[int, int]:
-  """'ISLAND@ROUND' of config.testing.<name> as (island, round)."""
+def _islands_at(spec: str, name: str,
+                islands: int) -> tuple[tuple[int, int], ...]:
+  """'ISLAND@ROUND[,ISLAND@ROUND...]' of config.testing.<name> as
+  (island, round) pairs."""
   try:
-    return participation.parse_nan_island(spec, islands)
+    return tuple(participation.parse_nan_island(entry, islands)
+                 for entry in spec.split(",") if entry.strip())
   except ValueError as error:
     raise problems_lib.ConfigError(
         f"config.testing.{name}: {error}") from None
