@@ -3,8 +3,8 @@ r"""Elastic islands under injected failures: goodput, wall time, loss (root).
   sudo .venv/bin/python benchmarks/elastic_goodput.py \
       [--config=configs/default.py] [--kill_every=5] [--straggler_round=0] \
       [--straggler_seconds=30] [--coordinator_round=0] [--min_islands=0] \
-      [--grace_seconds=0] [--extra_flags=--config.total_steps=120] \
-      [--spmd=true] [--out=res.json]
+      [--grace_seconds=0] [--straggler_every=0] [--stale_rounds=0,1] \
+      [--extra_flags=--config.total_steps=120] [--spmd=true] [--out=res.json]
 
 Runs `python -m diloco_jax.elastic` on the config twice, each in a network
 namespace of its own with loopback only (Ray binds there; the namespace and
@@ -15,11 +15,15 @@ every process left in it are removed after each run):
                         island, drawn from --seed, SIGKILLs its own process
                         at a step of that round drawn from the run's seed
                         (Ray restarts it); with --straggler_round R, island
-                        0 sleeps --straggler_seconds before round R; with
+                        0 sleeps --straggler_seconds before round R (and
+                        with --straggler_every N an island drawn from
+                        --seed before rounds N - N // 2, then every N); with
                         --coordinator_round C, every process of the run
                         (the coordinator's, Ray's, the islands') is
                         SIGKILLed once round C is checkpointed and the same
-                        command is run again.
+                        command is run again. With several
+                        --stale_rounds, one such run per value (late
+                        results dropped at 0, applied within N rounds).
 
 With --spmd (the default) it then runs today's SPMD path, `python -m
 diloco_jax.main` with the same config and --config.* flags (less the
@@ -75,6 +79,12 @@ _STRAGGLER_ROUND = flags.DEFINE_integer(
     "straggler_round", 0, "Island 0 sleeps before this round (0: never).")
 _STRAGGLER_SECONDS = flags.DEFINE_float("straggler_seconds", 30.0,
                                         "How long the straggler sleeps.")
+_STRAGGLER_EVERY = flags.DEFINE_integer(
+    "straggler_every", 0, "Every N rounds (from round N - N // 2 on) an "
+    "island drawn from --seed sleeps --straggler_seconds (0: never).")
+_STALE = flags.DEFINE_list(
+    "stale_rounds", ["0"], "config.elastic.stale_rounds of the failures "
+    "run; several values: one failures run per value.")
 _COORDINATOR_ROUND = flags.DEFINE_integer(
     "coordinator_round", 0, "Kill every process once this round is "
     "checkpointed, then rerun (0: never).")
@@ -128,10 +138,9 @@ def _run(name: str, flags_: list[str], coordinator_round: int) -> dict:
              (workdir / "metrics.jsonl").read_text().splitlines()]
   summary = json.loads((workdir / "summary.json").read_text())
   islands = len(records[0]["included"])
-  steps = [r["step"] - (records[i - 1]["step"] if i else 0)
-           for i, r in enumerate(records)]
-  contributed = sum(sum(r["included"]) * n for r, n in zip(records, steps))
-  ran = islands * (sum(steps) + killed_in_flight * max(steps))
+  contributed = sum(r["island_steps"]["applied"] for r in records)
+  ran = (sum(r["island_steps"]["run"] for r in records)
+         + killed_in_flight * max(r["island_steps"]["run"] for r in records))
   missed = [[r["round"] for r in records if not r["included"][i]]
             for i in range(islands)]
   return {"run": name, "goodput": contributed / ran,
@@ -154,8 +163,14 @@ def _failure_flags(islands: int, rounds: int) -> list[str]:
   kills = [f"{i}@{r}" for i, r in _island_kills(islands, rounds)]
   if kills:
     flags_.append(f"--config.testing.kill_island={','.join(kills)}")
-  if _STRAGGLER_ROUND.value:
-    flags_ += [f"--config.testing.slow_island=0@{_STRAGGLER_ROUND.value}",
+  slow = [f"0@{_STRAGGLER_ROUND.value}"] if _STRAGGLER_ROUND.value else []
+  every = _STRAGGLER_EVERY.value
+  if every:
+    rng = np.random.default_rng([_SEED.value, 1])
+    slow += [f"{int(rng.integers(islands))}@{r}"
+             for r in range(every - every // 2, rounds + 1, every)]
+  if slow:
+    flags_ += [f"--config.testing.slow_island={','.join(slow)}",
                f"--config.testing.slow_seconds={_STRAGGLER_SECONDS.value}"]
   return flags_
 
@@ -212,21 +227,27 @@ def main(argv):
   subprocess.run(["rm", "-rf", _WORKDIR.value], check=True)
   shape = _shape()
   islands, rounds = shape["islands"], shape["rounds"]
-  rows = [_run("elastic failure-free", [], 0),
-          _run("elastic failures", _failure_flags(islands, rounds),
-               _COORDINATOR_ROUND.value)]
+  rows = [_run("elastic failure-free", [], 0)]
+  for stale in _STALE.value:
+    name = ("elastic failures" if len(_STALE.value) == 1
+            else f"elastic failures stale {stale}")
+    rows.append(_run(name, [*_failure_flags(islands, rounds),
+                            f"--config.elastic.stale_rounds={stale}"],
+                     _COORDINATOR_ROUND.value))
   if _SPMD.value:
     rows += _spmd_rows(shape)
   print(f"{islands} islands, {rounds} rounds, {_CONFIG.value} "
         f"{' '.join(_EXTRA.value)}")
-  if _SPMD.value and _STRAGGLER_ROUND.value:
+  if _SPMD.value and (_STRAGGLER_ROUND.value or _STRAGGLER_EVERY.value):
     print("spmd failures: the straggler is not injected (main has no hook)")
   print(f"{'run':<22}{'goodput':>9}{'wall s':>9}{'eval loss':>11}"
         f"{'vs own free':>13}{'vs elastic free':>17}  missed rounds per "
         "island (elastic) or kills (spmd)")
   for row in rows:
-    # Each run against its own path's failure-free run (rows 0 and 2).
-    own = rows[2 if row["run"].startswith("spmd") else 0]
+    # Each run against its own path's failure-free run.
+    own = next(r for r in rows if r["run"] == (
+        "spmd failure-free" if row["run"].startswith("spmd")
+        else "elastic failure-free"))
     row["vs_failure_free"] = (row["final_eval_loss"]
                               / own["final_eval_loss"] - 1)
     row["vs_elastic_failure_free"] = (row["final_eval_loss"]

@@ -147,6 +147,32 @@ def test_an_elastic_run_equals_the_spmd_run(outer, namespace, failure_free,
       spmd_evals, rel=1e-5)
 
 
+# An island with the SPMD runs' mesh inside it: two pipeline stages, each
+# FSDP-sharded over two devices (four devices per island).
+_STAGED_FSDP = {"model.num_layers": 2, "data.batch_size": 8,
+                "mesh.stage": 2, "mesh.data": 2, "mesh.fsdp": True}
+
+
+def test_islands_with_stages_and_fsdp_equal_the_spmd_run(namespace,
+                                                         tmp_path):
+  """Each elastic island runs the SPMD runs' layout inside its own process
+  (its state staged over 2 pipeline stages and split over 2 FSDP devices
+  per stage); the coordinator takes its params back whole. Evals equal the
+  SPMD run's to 1e-5 (different XLA programs: the islands' steps one
+  island at a time, and the mean as a sum in another order)."""
+  elastic = str(tmp_path / "elastic")
+  _elastic(namespace, elastic, *[f"--config.{name}={value}"
+                                 for name, value in _STAGED_FSDP.items()])
+  spmd = train.train_and_evaluate(_config(**_STAGED_FSDP),
+                                  str(tmp_path / "spmd"))
+  assert _summary(elastic)["final_eval_loss"] == pytest.approx(
+      spmd["final_eval_loss"], rel=1e-5)
+  spmd_evals = [r["eval_loss"] for r in _records(str(tmp_path / "spmd"))
+                if "eval_loss" in r]
+  assert [r["eval_loss"] for r in _records(elastic)] == pytest.approx(
+      spmd_evals, rel=1e-5)
+
+
 def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
                                                  tmp_path):
   """Island 1's process SIGKILLs itself during round 2: the round

@@ -8,6 +8,7 @@ process died resumes from its last round.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -25,8 +26,7 @@ from diloco_jax.elastic import island as island_lib
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import settings as settings_lib
-from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import setup as setup_lib
+from diloco_jax.model import transformer as model_lib
 
 
 def run(run_config: run_config_lib.RunConfig, workdir: str,
@@ -91,9 +91,23 @@ def _island_launcher(run_config, settings, workdir):
   for island, round_number in settings.slow_islands:
     slow_rounds[island][round_number] = settings.slow_seconds
   actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
-                     max_task_retries=0)(island_lib.IslandProgram)
+                     max_task_retries=0,
+                     **_island_resources(config))(island_lib.IslandProgram)
   return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
                                 slow_rounds[i])
+
+
+def _island_resources(config) -> dict:
+  """What each island's process asks Ray for: its own accelerators where
+  the cluster has GPUs (Ray then shows each process only its own), and on
+  CPU hosts as many host devices as the island's mesh needs."""
+  devices = config.mesh.data * config.mesh.stage
+  if ray.cluster_resources().get("GPU", 0):
+    return {"num_gpus": devices}
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    xla_flags += f" --xla_force_host_platform_device_count={devices}"
+  return {"runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags.strip()}}}
 
 
 def _change_members(programs: dict, members: list[int],
@@ -157,14 +171,17 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
                    for ref in came_back.pending
                    if round_number + 1 - started[ref] <= settings.stale_rounds}
       coordinator.save()
-      tally.add(sum(started[ref] == round_number for ref in calls) * steps,
-                sum(len(result["losses"]) for i, result in
-                    came_back.results.items() if included[i]),
-                coordinator.round_bytes,
+      # Island-steps this round's calls set out to run, and those whose
+      # work reached x (a late result's counted in the round it lands in).
+      run_steps = sum(started[ref] == round_number for ref in calls) * steps
+      applied_steps = sum(len(result["losses"]) for i, result in
+                          came_back.results.items() if included[i])
+      tally.add(run_steps, applied_steps, coordinator.round_bytes,
                 len(came_back.results) * params_bytes)
       record = _round_record(round_number, first_step + steps, included,
                              came_back)
       record.update(members=members, joined=joined, left=left,
+                    island_steps={"run": run_steps, "applied": applied_steps},
                     stale={i: round_number - result["round"] for i, result
                            in came_back.results.items()
                            if included[i] and result["round"] < round_number})
@@ -224,8 +241,10 @@ def _train_call(program, rejoining: bool):
 def _evaluator(run_config: run_config_lib.RunConfig):
   """eval(x) -> the mean eval loss of x on the run's held-out batches."""
   config = run_config.config
-  mesh = mesh_lib.build_mesh(1, 1, 1, jax.devices()[:1])
-  loss_fn = jax.jit(setup_lib.loss_function(config, mesh))
+  # x is logical (whole layers, whatever the islands' stages): the
+  # model's own loss, on one device.
+  loss_fn = jax.jit(functools.partial(model_lib.next_token_loss,
+                                      model_lib.graphdef(config.model)))
   batches = sources.make_eval_batches(run_config.data,
                                       config.eval.batch_size,
                                       config.eval.num_batches)

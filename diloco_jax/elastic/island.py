@@ -10,6 +10,7 @@ state starts fresh: its process's memory is gone, and a state from its
 own last checkpoint would be rounds older than the x it rejoins at.
 """
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -49,13 +50,19 @@ class IslandProgram:
     self._kill_steps = kill_steps or {}
     self._slow_rounds = slow_rounds or {}
     self._workdir = pathlib.Path(workdir)
-    self._spec = state_spec_lib.for_run(run_config)
-    data_devices = config.mesh.data
-    self._mesh = mesh_lib.build_mesh(1, data_devices, 1,
-                                     jax.devices()[:data_devices])
+    # One island's state: no codec state or residuals (the coordinator
+    # keeps those), the run's mesh inside the island (data devices, FSDP,
+    # pipeline stages), and the inner optimizer the SPMD runs build.
+    self._spec = dataclasses.replace(
+        state_spec_lib.for_run(run_config), islands=1, compression=None,
+        error_feedback=False)
+    mesh = config.mesh
+    self._mesh = mesh_lib.build_mesh(
+        1, mesh.data, mesh.stage, jax.devices()[:mesh.data * mesh.stage])
     self._inner_step = inner_step_lib.make_inner_step(
         setup_lib.loss_function(config, self._mesh), self._spec.inner_opt,
-        self._mesh, microbatches=config.data.microbatches)
+        self._mesh, microbatches=config.data.microbatches, fsdp=mesh.fsdp)
+    self._build_conversions(config)
     self._batches = sources.make_batch_source(
         run_config.data, run_config.islands, config.data.batch_size,
         seed=config.data.seed, islands=range(island, island + 1))
@@ -83,9 +90,7 @@ class IslandProgram:
     if self._state is None:
       self._state = self._fresh_state(x)
     else:
-      self._state = self._state.replace(island_params=jax.device_put(
-          state_lib.stack_islands(x, 1),
-          self._shardings().island_params))
+      self._state = self._state.replace(island_params=self._island_params(x))
     time.sleep(self._slow_rounds.get(round_number, 0))
     losses = []
     for step in range(steps):
@@ -100,17 +105,31 @@ class IslandProgram:
       losses.append(metrics["loss"])
     return {
         "island": self.island, "round": round_number,
-        "params": jax.device_get(
-            jax.tree.map(lambda a: a[0], self._state.island_params)),
+        "params": jax.device_get(self._params(self._state.island_params)),
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
         "tokens": steps * self.tokens_per_step, "share": self.share}
 
-  def _shardings(self):
-    return state_lib.state_shardings(self._state, self._mesh)
+  def _build_conversions(self, config) -> None:
+    """The compiled moves between the coordinator's x (logical, host) and
+    the island's state (staged over its stages, placed on its mesh)."""
+    spec, layout = self._spec, self._spec.layout
+    logical = spec.abstract(config.model)
+    shardings = state_lib.state_shardings(
+        jax.eval_shape(spec.staged, logical), self._mesh, config.mesh.fsdp)
+    # A fresh state at x: a restarted or joining island's.
+    self._fresh_state = jax.jit(lambda x: spec.staged(spec.init(x)),
+                                out_shardings=shardings)
 
-  def _fresh_state(self, x):
-    state = state_lib.init_state(x, self._spec.inner_opt,
-                                 self._spec.outer_opt, 1)
-    return jax.device_put(state, state_lib.state_shardings(state,
-                                                           self._mesh))
+    def island_params(x):
+      stacked = state_lib.stack_islands(x, 1)
+      return stacked if layout is None else jax.vmap(layout.split)(stacked)
+
+    def params(staged):
+      one = jax.tree.map(lambda a: a[0], staged)
+      return one if layout is None else layout.join(one,
+                                                    logical.global_params)
+
+    self._island_params = jax.jit(island_params,
+                                  out_shardings=shardings.island_params)
+    self._params = jax.jit(params)

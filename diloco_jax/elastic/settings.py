@@ -41,8 +41,6 @@ _NOT_YET = (
     ("mode", "diloco", "elastic islands run DiLoCo"),
     ("diloco.overlap", "none", "elastic rounds apply each mean at once"),
     ("diloco.fragments", 1, "elastic rounds sync the whole model"),
-    ("mesh.stage", 1, "an elastic island is not pipelined yet"),
-    ("mesh.fsdp", False, "an elastic island is not FSDP-sharded yet"),
     ("diloco.outer_placement", "device",
      "the coordinator holds the outer state"),
     ("diloco.drop_probability", 0.0,
