@@ -14,15 +14,20 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import tiny
+from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.config import problems
 from diloco_jax.config import validation
 from diloco_jax.elastic import coordinator as coordinator_lib
+from diloco_jax.elastic import island as island_lib
 from diloco_jax.elastic import membership
+from diloco_jax.elastic import payloads
 from diloco_jax.elastic import settings as settings_lib
+from diloco_jax.model import transformer as model_lib
 from diloco_jax.run import train
 from benchmarks import netns
 from tests import helpers
@@ -227,18 +232,16 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
   namespace.kill_everything()
   first.wait(timeout=60)
   assert first.returncode != 0  # killed, not finished
-  rounds_before = len(_records(workdir))
+  first_record = (workdir / "metrics.jsonl").read_text().splitlines()[0]
   _elastic(namespace, workdir)
   summary = _summary(workdir)
   assert summary["resumed"] and summary["rounds"] == 3
-  rounds = [r["round"] for r in _records(workdir)]
-  # The killed run recorded rounds 1..m and checkpointed m or m + 1 (a
-  # checkpoint is written before its round's record); the rerun goes on
-  # after the checkpoint, never from round 1.
-  m = rounds_before
-  assert rounds[:m] == list(range(1, m + 1))
-  assert rounds[m] in (m + 1, m + 2) and rounds[m] >= 2
-  assert rounds[m:] == list(range(rounds[m], 4))
+  # A round's record is written before its checkpoint; the rerun drops
+  # the records of rounds it did not checkpoint and trains them again:
+  # one record per round, round 1's the killed run's (never retrained).
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  assert [r["round"] for r in _records(workdir)] == [1, 2, 3]
+  assert lines[0] == first_record
 
 
 def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
@@ -265,10 +268,13 @@ def test_islands_join_and_leave_between_rounds(namespace, tmp_path):
   process starts for round 2 (a fresh inner optimizer state, from round
   2's x, on its slot's first batches), contributes, and is ended before
   round 3. Every member contributes every round it is a member of, so
-  goodput is 1; each slot's stream stands after exactly its rounds."""
+  goodput is 1; each slot's stream stands after exactly its rounds. The
+  run's codec is int8 with error feedback, which islands encode
+  themselves (a joining island with a zero residual)."""
   workdir = str(tmp_path / "members")
   _elastic(namespace, workdir, "--config.diloco.island_schedule=1<->2",
-           "--config.diloco.dropped_islands=idle")
+           "--config.diloco.dropped_islands=idle",
+           "--config.diloco.codec=int8", "--config.diloco.error_feedback=True")
   records = _records(workdir)
   assert [r["members"] for r in records] == [[0], [0, 1], [0]]
   assert [r["joined"] for r in records] == [[0], [1], []]
@@ -278,6 +284,16 @@ def test_islands_join_and_leave_between_rounds(namespace, tmp_path):
   assert summary["goodput"] == 1.0
   steps = RUN["diloco.inner_steps"]
   assert summary["data_states"] == [{"step": 3 * steps}, {"step": steps}]
+  # With int8 each member encodes its own pseudo-gradient (one flat
+  # vector, padded to whole blocks): only payloads crossed Ray, 4 of them.
+  config = _config()
+  size = sum(leaf.size for leaf in jax.tree.leaves(
+      model_lib.param_shapes(config.model)))
+  block = config.diloco.codec_block_size
+  payload = dense_codecs.make_codec("int8", block).payload_bytes(
+      -(-size // block) * block)
+  assert summary["ray_bytes"] == 4 * payload
+  assert payload < 0.27 * 4 * size  # fp32 params: 4 bytes a value
 
 
 def test_the_members_file_sets_the_next_rounds_members(tmp_path):
@@ -345,37 +361,110 @@ def test_a_late_result_is_applied_by_the_staleness_rule(namespace,
                                     {"step": 3 * steps}]
 
 
-def test_a_stale_result_counts_its_own_update_at_reduced_weight(tmp_path):
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_stale_result_counts_its_own_update_at_reduced_weight(codec,
+                                                                tmp_path):
   """The coordinator's staleness rule on its own: with outer SGD at lr 1
   (x moves to the weighted mean of the pseudo-gradients) a result two
   rounds old moves x by its own update, y - x_then, at weight w / 3
-  beside a fresh island's at w. fp32 sums in another order: 1e-6."""
+  beside a fresh island's at w: sent as params (fp32: rebased onto x), or
+  as the pseudo-gradient the island encoded (int8: against the x it
+  started from already; the expected mean decodes the same payloads).
+  fp32 sums in another order: 1e-6."""
   config = _config(**{"diloco.outer_optimizer.name": "sgd",
                       "diloco.outer_optimizer.learning_rate": 1.0,
-                      "elastic.stale_rounds": 2})
+                      "diloco.codec": codec, "elastic.stale_rounds": 2})
   coordinator = coordinator_lib.Coordinator(_run_config(config),
                                             str(tmp_path))
+  dense = dense_codecs.make_codec(codec, config.diloco.codec_block_size)
   rng = np.random.default_rng(0)
+  size = sum(leaf.size for leaf in jax.tree.leaves(coordinator.x))
 
   def trained(x, round_number):
-    return {"params": jax.tree.map(
-        lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype), x),
-            "round": round_number, "share": 1.0, "tokens": 100,
-            "data_state": {"step": round_number}}
+    y = jax.tree.map(
+        lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype), x)
+    result = {"round": round_number, "share": 1.0, "tokens": 100,
+              "data_state": {"step": round_number}}
+    if codec == "fp32":
+      return {**result, "params": y}, y
+    payload, _ = payloads.island_payload(x, y, None, dense)
+    # What the coordinator will move x by: the decoded update, -(x - y).
+    update = payloads.unflatten(
+        -payloads.decode(payload, dense, size), x)
+    return {**result, "payload": jax.device_get(payload)}, update
+
+  def update_of(y, x):  # the params form: y - x
+    return jax.tree.map(np.subtract, y, x) if codec == "fp32" else y
 
   x_1 = coordinator.x
-  late = trained(x_1, 1)
-  coordinator.close_round({0: trained(x_1, 1)}, 1)
-  coordinator.close_round({0: trained(coordinator.x, 2)}, 2)
+  late, late_y = trained(x_1, 1)
+  coordinator.close_round({0: trained(x_1, 1)[0]}, 1)
+  coordinator.close_round({0: trained(coordinator.x, 2)[0]}, 2)
   x_3 = coordinator.x
-  fresh = trained(x_3, 3)
+  fresh, fresh_y = trained(x_3, 3)
   included = coordinator.close_round({0: fresh, 1: late}, 3)
   assert included.tolist() == [True, True]
   expected = jax.tree.map(
-      lambda x, y0, x1, y1: x + (1.0 * (y0 - x) + (y1 - x1) / 3) / (4 / 3),
-      x_3, fresh["params"], x_1, late["params"])
+      lambda x, u0, u1: x + (1.0 * u0 + u1 / 3) / (4 / 3),
+      x_3, update_of(fresh_y, x_3), update_of(late_y, x_1))
   for got, want in zip(jax.tree.leaves(coordinator.x),
                        jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   assert coordinator.data_states == [{"step": 3}, {"step": 1}]
   coordinator.close()
+
+
+def test_an_island_payload_carries_its_pseudo_gradient_through_the_codec():
+  """What an island encodes itself (int8, blocks of 256 over one flat
+  vector of every leaf, zero-padded): the payload takes ~1/4 of fp32's
+  bytes, decodes to x - y + the decayed residual within half a
+  quantization step per value, and the new residual is exactly what
+  decoding left out (float32: to one rounding)."""
+  codec = dense_codecs.make_codec("int8", 256)
+  rng = np.random.default_rng(0)
+  x = {"w": rng.normal(size=(130, 64)).astype(np.float32),
+       "b": rng.normal(size=(5,)).astype(np.float32)}
+  y = jax.tree.map(lambda a: a + rng.normal(0, 0.01, a.shape).astype(
+      np.float32), x)
+  residual = rng.normal(0, 1e-3, 130 * 64 + 5).astype(np.float32)
+  payload, new_residual = payloads.island_payload(x, y, residual, codec,
+                                                  feedback_decay=0.5)
+  values = payloads.flatten(x) - payloads.flatten(y) + 0.5 * residual
+  decoded = payloads.decode(payload, codec, values.size)
+  padded = jnp.pad(values, (0, -values.size % 256))
+  assert np.all(np.abs(decoded - values)
+                <= codec.max_abs_error(padded)[:values.size] * (1 + 1e-6))
+  np.testing.assert_allclose(decoded + new_residual, values, rtol=0,
+                             atol=1e-7)
+  assert payloads.nbytes(payload) < 0.27 * 4 * values.size
+  tree = payloads.unflatten(decoded, x)
+  assert jax.tree.map(np.shape, tree) == jax.tree.map(np.shape, x)
+  assert payloads.island_payload(x, y, None, codec)[1] is None
+
+
+def test_the_coordinator_s_mean_leaves_out_silent_and_diverged_islands():
+  decoded = jnp.array([[1.0, 2.0], [3.0, 4.0], [np.nan, 0.0], [9.0, 9.0]])
+  weights = jnp.array([1.0, 3.0, 1.0, 0.0])
+  mean, included, anyone = payloads.weighted_mean(decoded, weights)
+  np.testing.assert_allclose(mean, [2.5, 3.5])
+  assert included.tolist() == [True, True, False, False] and bool(anyone)
+  _, included, anyone = payloads.weighted_mean(decoded, jnp.zeros(4))
+  assert not bool(anyone) and not included.any()
+
+
+def test_a_fresh_island_goes_on_with_the_learning_rate_schedule(tmp_path):
+  """An island whose process starts in round 3 (restarted, or joining)
+  counts its fresh inner optimizer from the round's first step, as the
+  SPMD runs restart an island: after one step every optax count is
+  2 H + 1, so its learning rate is the run's at that step, not warmup's
+  first."""
+  run_config = _run_config(_config())
+  program = island_lib.IslandProgram(run_config, 0, str(tmp_path))
+  x = coordinator_lib.Coordinator(run_config, str(tmp_path)).x
+  program.train_round(x, 3, None, 1)
+  counts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
+      program._state.inner_opt_state)  # pylint: disable=protected-access
+            if getattr(path[-1], "name", None) == "count"]
+  assert counts and all(
+      np.all(np.asarray(c) == 2 * RUN["diloco.inner_steps"] + 1)
+      for c in counts)

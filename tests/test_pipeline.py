@@ -385,53 +385,43 @@ def _factored_steps(workdir, config):
 
 
 def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
-  """Adaptive low rank with error feedback, one round on two stages and on
-  one. Every stage factors its own matrices, with its own bases and ranks
-  in the checkpoint (stacked by stage): each matrix's outer step, whose
-  rows are spanned by the round's coefficients, lies in the span of the
-  next basis its own stage kept (lowrank.next_basis), as each layer's does
-  on one stage; another stage's basis leaves most of it outside. The
-  residuals are the params' shape, and the run sends and learns as the
-  one-stage run does, up to the per-stage cut of the embedding and of the
-  codec's blocks."""
+  """Adaptive low rank with error feedback, one round on two stages. Every
+  stage factors its own matrices, with its own bases and ranks in the
+  checkpoint (stacked by stage): each matrix's outer step, whose rows are
+  spanned by the round's coefficients, lies in the span of the next basis
+  its own stage kept (lowrank.next_basis); another stage's basis leaves
+  most of it outside. The residuals are the params' shape, and the run
+  sends what a low-rank codec sends. (The same codec on one stage, and
+  its bytes, are tests/test_structured_codecs.py's.)"""
   overrides = {"diloco.codec": "adaptive_lowrank",
                "diloco.lowrank.min_rank": 2, "diloco.lowrank.max_rank": 8,
                "diloco.error_feedback": True, "total_steps": 4}
-  summaries = {}
-  for stages in (1, 2):
-    config = _config(stages, **overrides)
-    workdir = str(tmp_path / f"lowrank_{stages}")
-    summaries[stages] = train.train_and_evaluate(config, workdir)
-    state, steps, bases = _factored_steps(workdir, config)
-    for step, basis in zip(steps, bases, strict=True):
-      assert basis.shape[0] == stages
-      for stage in range(stages):
-        rows = step[stage].reshape(-1, basis.shape[1])
-        # The part of the step outside a basis's span, relative to it.
-        outside = lambda b, rows=rows: float(
-            np.abs(rows - rows @ b @ b.T).max() / np.abs(rows).max())
-        # x's float32 rounding (6e-8 at |x| ~ 1) is ~5e-5 of a step of
-        # ~1e-3 (measured); a basis of another matrix leaves 60-130% out.
-        assert outside(basis[stage]) <= 1e-3, (stage, outside(basis[stage]))
-        if stages > 1:
-          other = outside(basis[1 - stage])
-          assert other > 0.1, ("the other stage's basis holds it", other)
-    assert all(np.size(entry["rank_index"]) == stages
-               for entry in state["codec_state"])
-    residuals = jax.tree.leaves(state["residuals"])
-    assert ([r.shape for r in residuals]
-            == [y.shape for y in jax.tree.leaves(state["island_params"])])
-    # Error feedback keeps what a rank-2..8 factoring left out of each
-    # matrix for the next round: never all zero after a round.
-    assert all(np.abs(r).max() > 0 for r in residuals if np.ndim(r) >= 3)
-  one, two = summaries[1], summaries[2]
-  assert two["compression_vs_fp32"] > 4
-  # Padding per stage and the embedding's two pieces: +1.9% measured.
-  assert two["comm_bytes"] == pytest.approx(one["comm_bytes"], rel=0.03)
-  # Other starting bases for the second stage's layers, another int4
-  # block layout for the vectors: 7e-4 apart, measured.
-  assert two["final_eval_loss"] == pytest.approx(one["final_eval_loss"],
-                                                 abs=0.003)
+  stages = 2
+  config = _config(stages, **overrides)
+  workdir = str(tmp_path / "lowrank")
+  summary = train.train_and_evaluate(config, workdir)
+  state, steps, bases = _factored_steps(workdir, config)
+  for step, basis in zip(steps, bases, strict=True):
+    assert basis.shape[0] == stages
+    for stage in range(stages):
+      rows = step[stage].reshape(-1, basis.shape[1])
+      # The part of the step outside a basis's span, relative to it.
+      outside = lambda b, rows=rows: float(
+          np.abs(rows - rows @ b @ b.T).max() / np.abs(rows).max())
+      # x's float32 rounding (6e-8 at |x| ~ 1) is ~5e-5 of a step of
+      # ~1e-3 (measured); a basis of another matrix leaves 60-130% out.
+      assert outside(basis[stage]) <= 1e-3, (stage, outside(basis[stage]))
+      other = outside(basis[1 - stage])
+      assert other > 0.1, ("the other stage's basis holds it", other)
+  assert all(np.size(entry["rank_index"]) == stages
+             for entry in state["codec_state"])
+  residuals = jax.tree.leaves(state["residuals"])
+  assert ([r.shape for r in residuals]
+          == [y.shape for y in jax.tree.leaves(state["island_params"])])
+  # Error feedback keeps what a rank-2..8 factoring left out of each
+  # matrix for the next round: never all zero after a round.
+  assert all(np.abs(r).max() > 0 for r in residuals if np.ndim(r) >= 3)
+  assert summary["compression_vs_fp32"] > 4
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -16,7 +16,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax.algorithm import library
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.elastic import payloads
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.run import state_spec as state_spec_lib
 
@@ -41,10 +43,14 @@ class Coordinator:
     self._compression = spec.compression
     self.x = jax.device_get(jax.jit(functools.partial(
         model_lib.new_params, config.model))(config.seed))
-    self._state = library.init(self.x, self._outer_tx, self._islands,
-                               compression=self._compression,
-                               error_feedback=spec.error_feedback,
-                               seed=spec.seed)
+    # Islands that encode their own pseudo-gradients keep their residuals.
+    self._island_encoded = payloads.encoded_on_island(self._compression)
+    self._state = library.init(
+        self.x, self._outer_tx, self._islands, compression=self._compression,
+        error_feedback=spec.error_feedback and not self._island_encoded,
+        seed=spec.seed)
+    self._rounding_seed = (config.seed if config.diloco.stochastic_rounding
+                           else None)
     self.rounds_done = 0
     self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands
@@ -53,6 +59,8 @@ class Coordinator:
     self._outer = jax.jit(functools.partial(
         library.outer_update, outer_tx=self._outer_tx,
         compression=self._compression))
+    self._decoded_step = jax.jit(functools.partial(
+        _decoded_step, outer_tx=self._outer_tx))
     self._checkpoints = ocp.CheckpointManager(
         pathlib.Path(workdir).resolve() / "coordinator",
         options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -69,26 +77,19 @@ class Coordinator:
     its weight divided by 1 + its staleness in rounds. Returns which
     islands took part."""
     self._x_of_round[round_number] = self.x
-    params, weights = [], []
-    for i in range(self._islands):
-      result = results.get(i)
-      if result is None:
-        params.append(self.x)
-        weights.append(0.0)
-        continue
+    weights = np.zeros(self._islands, np.float32)
+    for i, result in results.items():
       staleness = round_number - result["round"]
-      params.append(result["params"] if staleness == 0 else _rebased(
-          self.x, self._x_of_round[result["round"]], result["params"]))
-      weights.append(result["share"] * result["tokens"] / (1 + staleness))
-    islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
-    weights = np.array(weights, np.float32)
+      weights[i] = result["share"] * result["tokens"] / (1 + staleness)
     # What one island's payload costs over the link, as the SPMD runs
     # count it (the codec's bytes at this round's ranks).
     self.round_bytes = library.bytes_sent(self.x, self._islands,
                                           self._compression,
                                           self._state.codec_state)
-    x, self._state, included = self._outer(self.x, islands, self._state,
-                                           weights=jnp.asarray(weights))
+    if self._island_encoded:
+      x, included = self._step_on_payloads(results, weights)
+    else:
+      x, included = self._step_on_params(results, weights, round_number)
     self.x = jax.device_get(x)
     included = np.asarray(included)
     for i in np.flatnonzero(included):
@@ -99,6 +100,44 @@ class Coordinator:
     self._x_of_round = {r: x for r, x in self._x_of_round.items()
                         if r > round_number - self._stale_rounds}
     return included
+
+  def _step_on_params(self, results, weights, round_number):
+    """The outer step through the codec's collective over the islands'
+    params stacked (a late island's rebased onto x)."""
+    params = []
+    for i in range(self._islands):
+      result = results.get(i)
+      if result is None:
+        params.append(self.x)
+      elif result["round"] == round_number:
+        params.append(result["params"])
+      else:
+        params.append(_rebased(self.x, self._x_of_round[result["round"]],
+                               result["params"]))
+    islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
+    key = None
+    if self._rounding_seed is not None:
+      key = jax.random.fold_in(jax.random.key(self._rounding_seed),
+                               round_number)
+    x, self._state, included = self._outer(
+        self.x, islands, self._state, weights=jnp.asarray(weights), key=key)
+    return x, included
+
+  def _step_on_payloads(self, results, weights):
+    """The outer step on the islands' encoded pseudo-gradients: decoded,
+    their weighted mean in float32, the outer optimizer (a late island's
+    is against the x it started from already)."""
+    codec = self._compression.dense
+    size = sum(leaf.size for leaf in jax.tree.leaves(self.x))
+    decoded = np.zeros((self._islands, size), np.float32)
+    for i, result in results.items():
+      decoded[i] = payloads.decode(result["payload"], codec, size)
+    x, outer_opt_state, included = self._decoded_step(
+        self.x, jnp.asarray(decoded), jnp.asarray(weights),
+        self._state.outer_opt_state)
+    self._state = self._state.replace(outer_opt_state=outer_opt_state,
+                                      round=self._state.round + 1)
+    return x, included
 
   def save(self) -> None:
     """Checkpoints x, the outer state, the data positions and the round
@@ -129,6 +168,15 @@ class Coordinator:
   def close(self) -> None:
     self._checkpoints.close()
 
+
+
+def _decoded_step(x, decoded, weights, outer_opt_state, *, outer_tx):
+  """(x, outer state, included) after the outer step on the weighted mean
+  of the islands' decoded pseudo-gradients [k, n] (traceable)."""
+  mean, included, anyone = payloads.weighted_mean(decoded, weights)
+  x, outer_opt_state = outer_step_lib.outer_update(
+      outer_tx, x, outer_opt_state, payloads.unflatten(mean, x), anyone)
+  return x, outer_opt_state, included
 
 
 def _rebased(x, x_then, y_then):

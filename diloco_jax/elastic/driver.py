@@ -67,7 +67,7 @@ class _Tally:
   possible: int = 0  # island-steps the rounds' members could have used
   contributed: int = 0  # island-steps whose work reached x
   comm_bytes: int = 0  # what one island sent through the codec
-  ray_bytes: int = 0  # what the islands' params took through Ray (up)
+  ray_bytes: int = 0  # what the islands' results took through Ray (up)
 
   def add(self, possible: int, contributed: int, round_bytes: int,
           ray_bytes: int) -> None:
@@ -132,13 +132,14 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   rounds = -(-config.total_steps // inner_steps)
   launch = _island_launcher(run_config, settings, workdir)
   programs = {}  # slot -> its process's actor, for this round's members
-  params_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(
-      coordinator.x))
   tally = _Tally()
   rejoining = set()  # islands whose process died last round
   in_flight = {}  # island -> (its late call, the round it trains)
+  applied = {}  # island -> whether its last result reached x
   start_time = time.monotonic()
-  with open(os.path.join(workdir, "metrics.jsonl"), "a") as metrics:
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  _keep_records_up_to(metrics_path, coordinator.rounds_done)
+  with open(metrics_path, "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
       first_step = coordinator.rounds_done * inner_steps
@@ -160,24 +161,28 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       for i in members:
         if i not in in_flight:
           ref = _train_call(programs[i], i in rejoining).remote(
-              x, round_number, coordinator.data_states[i], steps)
+              x, round_number, coordinator.data_states[i], steps,
+              applied.get(i, False))
           calls[ref], started[ref] = i, round_number
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
       rejoining = set(came_back.failed)
+      for i in came_back.results:
+        applied[i] = bool(included[i])
+      for i in (*came_back.failed, *came_back.late):
+        applied[i] = False
       # A late call is kept while its result could still be applied.
       in_flight = {calls[ref]: (ref, started[ref])
                    for ref in came_back.pending
                    if round_number + 1 - started[ref] <= settings.stale_rounds}
-      coordinator.save()
       # Island-steps this round's calls set out to run, and those whose
       # work reached x (a late result's counted in the round it lands in).
       run_steps = sum(started[ref] == round_number for ref in calls) * steps
       applied_steps = sum(len(result["losses"]) for i, result in
                           came_back.results.items() if included[i])
       tally.add(run_steps, applied_steps, coordinator.round_bytes,
-                len(came_back.results) * params_bytes)
+                sum(r["sent_bytes"] for r in came_back.results.values()))
       record = _round_record(round_number, first_step + steps, included,
                              came_back)
       record.update(members=members, joined=joined, left=left,
@@ -188,8 +193,11 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       every = config.eval.every_rounds
       if round_number == rounds or (every and round_number % every == 0):
         record["eval_loss"] = evaluate(coordinator.x)
+      # The record first, then the checkpoint: a rerun after a kill in
+      # between drops the records of rounds it did not checkpoint.
       metrics.write(json.dumps(record) + "\n")
       metrics.flush()
+      coordinator.save()
   summary = {
       "total_steps": config.total_steps, "rounds": coordinator.rounds_done,
       "final_eval_loss": evaluate(coordinator.x),
@@ -207,6 +215,27 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
+
+
+def _keep_records_up_to(path: str, rounds_done: int) -> None:
+  """Drops the records of rounds after the last checkpointed one (a rerun
+  trains them again) and a line cut short, replacing the file in one
+  rename."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line)["round"] <= rounds_done:
+        kept.append(line)
+    except ValueError:  # the last line, cut short by the kill
+      pass
+  if len(kept) < len(lines):
+    with open(path + ".partial", "w") as f:
+      f.writelines(kept)
+    os.replace(path + ".partial", path)
 
 
 def _round_record(round_number: int, step: int, included: np.ndarray,

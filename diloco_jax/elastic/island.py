@@ -1,16 +1,20 @@
 """One elastic island: its own JAX program, training a round from the x it
 is given on its own rows of the run's data.
 
-An island keeps only its inner optimizer state between rounds. Everything
+An island keeps only its inner optimizer state (and with a dense codec
+its error-feedback residual) between rounds. Everything
 else it is handed each round by the coordinator: x, and where its data
 stream stands (the position after the last round it contributed to), so a
 restarted island, or one whose round was left out, trains on exactly the
 batches it has not contributed yet. A restarted island's inner optimizer
-state starts fresh: its process's memory is gone, and a state from its
-own last checkpoint would be rounds older than the x it rejoins at.
+state starts fresh, counted from the round's first step (the learning
+rate schedule goes on where the run is): its process's memory is gone,
+and a state from its own last checkpoint would be rounds older than the
+x it rejoins at.
 """
 
 import dataclasses
+import functools
 import os
 import pathlib
 import signal
@@ -20,9 +24,12 @@ import jax
 import numpy as np
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
+from diloco_jax.elastic import payloads
+from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import state_spec as state_spec_lib
@@ -53,9 +60,10 @@ class IslandProgram:
     # One island's state: no codec state or residuals (the coordinator
     # keeps those), the run's mesh inside the island (data devices, FSDP,
     # pipeline stages), and the inner optimizer the SPMD runs build.
-    self._spec = dataclasses.replace(
-        state_spec_lib.for_run(run_config), islands=1, compression=None,
-        error_feedback=False)
+    run_spec = state_spec_lib.for_run(run_config)
+    self._spec = dataclasses.replace(run_spec, islands=1, compression=None,
+                                     error_feedback=False)
+    self._build_sender(config, run_spec)
     mesh = config.mesh
     self._mesh = mesh_lib.build_mesh(
         1, mesh.data, mesh.stage, jax.devices()[:mesh.data * mesh.stage])
@@ -69,6 +77,7 @@ class IslandProgram:
     self._batch_sharding = jax.sharding.NamedSharding(self._mesh,
                                                       state_lib.BATCH_SPEC)
     self._state = None  # built at the first round, from that round's x
+    self._inner_steps = config.diloco.inner_steps
     self.tokens_per_step = (config.data.batch_size
                             * config.data.sequence_length)
     # This island's share of the corpus (times k: 1 for iid islands).
@@ -80,15 +89,24 @@ class IslandProgram:
     return os.getpid()
 
   def train_round(self, x, round_number: int, data_state: dict | None,
-                  steps: int) -> dict:
+                  steps: int, last_applied: bool = False) -> dict:
     """`steps` inner steps from x, on the batches after `data_state` (None:
-    the stream's start). Returns the island's params y (host arrays), the
-    stream position after them, the train losses, the tokens trained and
-    the island's share of the corpus."""
+    the stream's start). `last_applied`: whether this island's previous
+    result reached x (its error-feedback residual then moves on).
+
+    Returns what the island sends (its params y, or with a dense codec
+    that compresses, its encoded pseudo-gradient: host arrays), the
+    stream position after the steps, the train losses, the tokens trained
+    and the island's share of the corpus."""
+    if self._pending_residual is not None:
+      if last_applied:
+        self._residual = self._pending_residual
+      self._pending_residual = None
     if data_state is not None:
       self._batches.restore(data_state)
     if self._state is None:
-      self._state = self._fresh_state(x)
+      self._state = self._fresh_state(
+          x, (round_number - 1) * self._inner_steps)
     else:
       self._state = self._state.replace(island_params=self._island_params(x))
     time.sleep(self._slow_rounds.get(round_number, 0))
@@ -105,10 +123,48 @@ class IslandProgram:
       losses.append(metrics["loss"])
     return {
         "island": self.island, "round": round_number,
-        "params": jax.device_get(self._params(self._state.island_params)),
+        **self._sent(x, self._params(self._state.island_params),
+                     round_number),
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
         "tokens": steps * self.tokens_per_step, "share": self.share}
+
+  def _build_sender(self, config, run_spec) -> None:
+    """What the island sends: its params, or its pseudo-gradient encoded
+    here with a dense codec that compresses (payloads.py), keeping its
+    error-feedback residual (zero at a fresh start: a restarted island's
+    residual is gone with its process)."""
+    compression = run_spec.compression
+    self._encodes = payloads.encoded_on_island(compression)
+    self._residual = self._pending_residual = None
+    self._rounding_seed = (config.seed if config.diloco.stochastic_rounding
+                           else None)
+    if not self._encodes:
+      return
+    if run_spec.error_feedback:
+      self._residual = np.zeros(
+          sum(leaf.size for leaf in jax.tree.leaves(
+              model_lib.param_shapes(config.model))), np.float32)
+    self._send = jax.jit(functools.partial(
+        payloads.island_payload, codec=compression.dense,
+        feedback_decay=compression.feedback_decay))
+
+  def _sent(self, x, y, round_number: int) -> dict:
+    """The result's payload part: {"params": y} or {"payload": ...}, and
+    its bytes."""
+    if not self._encodes:
+      params = jax.device_get(y)
+      return {"params": params, "sent_bytes": payloads.nbytes(params)}
+    key = None
+    if self._rounding_seed is not None:
+      key = jax.random.fold_in(jax.random.fold_in(
+          jax.random.key(self._rounding_seed), round_number), self.island)
+    payload, residual = self._send(x, y, self._residual, key=key)
+    # Kept until the coordinator says whether this result reached x.
+    self._pending_residual = (None if residual is None
+                              else jax.device_get(residual))
+    payload = jax.device_get(payload)
+    return {"payload": payload, "sent_bytes": payloads.nbytes(payload)}
 
   def _build_conversions(self, config) -> None:
     """The compiled moves between the coordinator's x (logical, host) and
@@ -117,9 +173,15 @@ class IslandProgram:
     logical = spec.abstract(config.model)
     shardings = state_lib.state_shardings(
         jax.eval_shape(spec.staged, logical), self._mesh, config.mesh.fsdp)
-    # A fresh state at x: a restarted or joining island's.
-    self._fresh_state = jax.jit(lambda x: spec.staged(spec.init(x)),
-                                out_shardings=shardings)
+    # A fresh state at x, a restarted or joining island's: its optimizer
+    # counted from the round's first step, so the learning rate schedule
+    # goes on where the run is (as the SPMD runs restart an island).
+    def fresh_state(x, step):
+      state = spec.staged(spec.init(x))
+      return state.replace(inner_opt_state=optimizers.with_step_counts(
+          state.inner_opt_state, step))
+
+    self._fresh_state = jax.jit(fresh_state, out_shardings=shardings)
 
     def island_params(x):
       stacked = state_lib.stack_islands(x, 1)
