@@ -90,8 +90,10 @@ def _island_launcher(run_config, settings, workdir):
   slow_rounds = [{} for _ in range(run_config.islands)]
   for island, round_number in settings.slow_islands:
     slow_rounds[island][round_number] = settings.slow_seconds
+  # SPREAD: islands are failure domains, each on another node where the
+  # cluster has several.
   actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
-                     max_task_retries=0,
+                     max_task_retries=0, scheduling_strategy="SPREAD",
                      **_island_resources(config))(island_lib.IslandProgram)
   return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
                                 slow_rounds[i])
@@ -136,6 +138,7 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   rejoining = set()  # islands whose process died last round
   in_flight = {}  # island -> (its late call, the round it trains)
   applied = {}  # island -> whether its last result reached x
+  nodes = {}  # island -> the Ray node its last result came from
   start_time = time.monotonic()
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   _keep_records_up_to(metrics_path, coordinator.rounds_done)
@@ -168,8 +171,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
       rejoining = set(came_back.failed)
-      for i in came_back.results:
+      for i, result in came_back.results.items():
         applied[i] = bool(included[i])
+        nodes[i] = result["node"]
       for i in (*came_back.failed, *came_back.late):
         applied[i] = False
       # A late call is kept while its result could still be applied.
@@ -211,6 +215,8 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       # What one island sent through the codec this run, counted as the
       # SPMD runs count it, and what all islands sent through Ray.
       "comm_bytes": tally.comm_bytes, "ray_bytes": tally.ray_bytes,
+      # Where each island ran last (Ray node ids).
+      "island_nodes": {str(i): node for i, node in sorted(nodes.items())},
       "wall_seconds": round(time.monotonic() - start_time, 3)}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)

@@ -22,6 +22,7 @@ import time
 
 import jax
 import numpy as np
+import ray
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import optimizers
@@ -127,7 +128,10 @@ class IslandProgram:
                      round_number),
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
-        "tokens": steps * self.tokens_per_step, "share": self.share}
+        "tokens": steps * self.tokens_per_step, "share": self.share,
+        # The Ray node it runs on (None outside Ray: tests call it).
+        "node": (ray.get_runtime_context().get_node_id()
+                 if ray.is_initialized() else None)}
 
   def _build_sender(self, config, run_spec) -> None:
     """What the island sends: its params, or its pseudo-gradient encoded
