@@ -38,17 +38,17 @@ see the same machine noise):
       --config.data.batch_size=16 --big_batch=512
 """
 
-import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+import step_timing as timing
 
 # Configs import each other as `configs.*` (c4_150m.py, c4_small.py): the
 # repository root goes on the path, as `python -m` puts the working
@@ -80,158 +80,18 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 32,
                                      "microbatch: parts of big_batch.")
 
 
-def _flops(rate: float) -> str:
-  """A FLOP/s figure in TFLOP/s, or GFLOP/s below one TFLOP/s."""
-  return (f"{rate / 1e12:9.2f} TFLOP/s" if rate >= 1e12
-          else f"{rate / 1e9:9.2f} GFLOP/s")
-
-
-def _time_block(run, steps: int) -> float:
-  """Seconds per step of `run(steps)`, which must block at its end."""
-  start = time.perf_counter()
-  run(steps)
-  return (time.perf_counter() - start) / steps
-
-
-def _interleaved(runs: dict, repeats: int, steps: int) -> dict:
-  """Median seconds per step of each run, timed in turns."""
-  for run in runs.values():  # compile and warm up
-    run(2)
-  samples = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, run in runs.items():
-      samples[name].append(_time_block(run, steps))
-  return {name: statistics.median(times) for name, times in samples.items()}
-
-
-class InnerSteps:
-  """The DiLoCo inner step of `islands` islands folded onto one device."""
-
-  def __init__(self, config, islands: int, batch_size: int,
-               microbatches: int = 1, tokens=None):
-    """`tokens`: [islands, batch_size, L+1] int32 (default: random ids)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-    from diloco_jax.algorithm import inner_step as inner_step_lib
-    from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
-    from diloco_jax.algorithm import outer_step as outer_step_lib
-    from diloco_jax.algorithm import state as state_lib
-    from diloco_jax.config import overlap_defaults
-    from diloco_jax.config import run_config
-    from diloco_jax.model import transformer as model_lib
-    from diloco_jax.parallel import mesh as mesh_lib
-    self.tokens_per_step = islands * batch_size * config.data.sequence_length
-    mesh = mesh_lib.build_mesh(islands, devices=jax.devices()[:1])
-    loss_fn = functools.partial(model_lib.next_token_loss,
-                                model_lib.graphdef(config.model))
-    inner_opt = optimizers.inner_optimizer(
-        run_config.inner_optimizer(config.inner_optimizer),
-        config.total_steps)
-    outer_opt = optimizers.outer_optimizer(run_config.outer_optimizer(
-        overlap_defaults.resolve(config).diloco.outer_optimizer))
-    init = lambda seed: state_lib.init_state(
-        model_lib.new_params(config.model, seed), inner_opt, outer_opt,
-        islands)
-    shardings = state_lib.state_shardings(jax.eval_shape(init, 0), mesh)
-    with model_lib.fast_init_compile():
-      self.state = jax.jit(init, out_shardings=shardings)(config.seed)
-    if tokens is None:
-      tokens = np.random.default_rng(0).integers(
-          0, config.model.vocab_size,
-          (islands, batch_size, config.data.sequence_length + 1), np.int32)
-    self.batch = jax.device_put(tokens,
-                                NamedSharding(mesh, state_lib.BATCH_SPEC))
-    self.step = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
-                                               microbatches=microbatches)
-    self.outer = outer_step_lib.make_outer_step(outer_opt, mesh)
-    self.weights = jax.device_put(
-        np.ones(islands, np.float32),
-        NamedSharding(mesh, jax.sharding.PartitionSpec(mesh_lib.ISLAND)))
-
-  def __call__(self, steps: int) -> None:
-    import jax  # pylint: disable=g-import-not-at-top
-    for _ in range(steps):
-      self.state, metrics = self.step(self.state, self.batch)
-    jax.block_until_ready(metrics["loss"])
-
-  def outer_steps(self, steps: int) -> None:
-    import jax  # pylint: disable=g-import-not-at-top
-    for _ in range(steps):
-      self.state = self.outer(self.state, self.weights)
-    jax.block_until_ready(self.state.global_params)
-
-
-def _plain_steps(config):
-  """A plain jitted optax train step of the same model and batch."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
-  from diloco_jax.config import run_config
-  from diloco_jax.model import transformer as model_lib
-  loss_fn = functools.partial(model_lib.next_token_loss,
-                              model_lib.graphdef(config.model))
-  opt = optimizers.inner_optimizer(
-      run_config.inner_optimizer(config.inner_optimizer), config.total_steps)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  with model_lib.fast_init_compile():
-    params = jax.jit(functools.partial(model_lib.new_params, config.model))(
-        config.seed)
-  holder = {"params": params, "opt": jax.jit(opt.init)(params)}
-  batch = jax.device_put(np.random.default_rng(0).integers(
-      0, config.model.vocab_size,
-      (config.data.batch_size, config.data.sequence_length + 1), np.int32))
-
-  def run(steps: int) -> None:
-    for _ in range(steps):
-      holder["params"], holder["opt"], loss = step(holder["params"],
-                                                   holder["opt"], batch)
-    loss.block_until_ready()
-
-  return run
-
-
-def _matmul_flops_per_s(dtype_name: str, on_cpu: bool) -> float:
-  """The best of two square matmuls in the compute dtype, in FLOP/s."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from diloco_jax.analysis import flops  # pylint: disable=g-import-not-at-top
-  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
-  best = 0.0
-  for n in ((1024, 2048) if on_cpu else (4096, 8192)):
-    keys = jax.random.split(jax.random.key(n))
-    a = jax.random.normal(keys[0], (n, n), dtype)
-    b = jax.random.normal(keys[1], (n, n), dtype)
-    matmul = jax.jit(jnp.matmul)
-
-    def run(steps, a=a, b=b, matmul=matmul):
-      for _ in range(steps):
-        out = matmul(a, b)
-      out.block_until_ready()
-
-    seconds = _interleaved({"mm": run}, 5, 3 if on_cpu else 20)["mm"]
-    best = max(best, flops.matmul_flops(n, n, n) / seconds)
-  return best
-
-
 def _step_section(config) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from diloco_jax.analysis import flops
   from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
-  inner = InnerSteps(config, 1, config.data.batch_size)
-  med = _interleaved({"plain": _plain_steps(config), "inner": inner},
-                     _REPEATS.value, _STEPS.value)
-  med.update(_interleaved({"outer": inner.outer_steps}, _REPEATS.value,
-                          _STEPS.value))
+  inner = timing.InnerSteps(config, 1, config.data.batch_size)
+  med = timing.interleaved(
+      {"plain": timing.plain_steps(config), "inner": inner}, _REPEATS.value,
+      _STEPS.value)
+  med.update(timing.interleaved({"outer": inner.outer_steps},
+                                _REPEATS.value, _STEPS.value))
   tokens = inner.tokens_per_step
   model_flops = flops.training_flops_per_token(
       config.model, config.data.sequence_length) * tokens / med["inner"]
@@ -248,11 +108,12 @@ def _step_section(config) -> None:
   print(f"  DiLoCo outer step     {med['outer'] * 1e3:9.2f} ms = "
         f"{med['outer'] / med['inner']:.3f}% of 100 inner steps"
         "  (target <= 1%)")
-  matmul = _matmul_flops_per_s(config.model.dtype, on_cpu)
+  matmul = timing.matmul_flops_per_s(config.model.dtype, on_cpu)
   per_token = flops.training_flops_per_token(config.model,
                                              config.data.sequence_length)
-  print(f"  {config.model.dtype} matmul (this run)  {_flops(matmul)}")
-  print(f"  model FLOP/s          {_flops(model_flops)} "
+  print(f"  {config.model.dtype} matmul (this run)  "
+        f"{timing.format_flops(matmul)}")
+  print(f"  model FLOP/s          {timing.format_flops(model_flops)} "
         f"({per_token / 1e6:.2f} MFLOP per token)")
   peak = flops.peak_flops_per_s(device.device_kind, config.model.dtype)
   if peak:
@@ -334,9 +195,10 @@ def _tokens_section(config) -> None:
   print(f"tokens: the inner step by token source, 1 island, batch "
         f"{config.data.batch_size} x {config.data.sequence_length}")
   batches = _token_batches(config, 1)
-  steps = {name: InnerSteps(config, 1, config.data.batch_size, tokens=tokens)
+  steps = {name: timing.InnerSteps(config, 1, config.data.batch_size,
+                                   tokens=tokens)
            for name, tokens in batches.items()}
-  med = _interleaved(steps, _REPEATS.value, _STEPS.value)
+  med = timing.interleaved(steps, _REPEATS.value, _STEPS.value)
   tokens_per_step = config.data.batch_size * config.data.sequence_length
   base = med.get("random")
   for name, seconds in med.items():
@@ -349,7 +211,7 @@ def _tokens_section(config) -> None:
   print("  the embedding gradient alone, plain scatter-add in "
         f"{config.model.dtype} vs the model's sorted float32 sum:")
   for name, tokens in batches.items():
-    grad = _interleaved(_embedding_gradient_runs(config, tokens),
+    grad = timing.interleaved(_embedding_gradient_runs(config, tokens),
                         _REPEATS.value, _STEPS.value)
     print(f"    {name:26s} plain {grad['plain'] * 1e3:9.3f} ms  sorted "
           f"{grad['sorted'] * 1e3:9.3f} ms  plain / sorted "
@@ -423,8 +285,8 @@ def _end_to_end_section(config) -> None:
   ends = {step: intervals[step] + intervals[step + 1] - 2 * step_s
           for step in range(inner_steps, last["step"], inner_steps)
           if step in intervals and step + 1 in intervals}
-  inner = InnerSteps(config, islands, config.data.batch_size)
-  inner_s = _interleaved({"inner": inner}, _REPEATS.value,
+  inner = timing.InnerSteps(config, islands, config.data.batch_size)
+  inner_s = timing.interleaved({"inner": inner}, _REPEATS.value,
                          _STEPS.value)["inner"]
   inner_rate = inner.tokens_per_step / inner_s
   tokens_per_step = inner.tokens_per_step
@@ -449,7 +311,7 @@ def _end_to_end_section(config) -> None:
 
 def _ratio_section(title: str, runs: dict) -> None:
   import gc  # pylint: disable=g-import-not-at-top
-  med = _interleaved(runs, _REPEATS.value, max(_STEPS.value // 2, 2))
+  med = timing.interleaved(runs, _REPEATS.value, max(_STEPS.value // 2, 2))
   rates = {name: run.tokens_per_step / med[name] for name, run in runs.items()}
   (first, first_rate), (second, second_rate) = rates.items()
   print(title)
@@ -478,15 +340,15 @@ def main(argv):
   if "fold" in _SECTIONS.value:
     k, b = _FOLD_ISLANDS.value, _FOLD_BATCH.value
     _ratio_section("fold: islands stacked on one device vs one island", {
-        f"{k} islands x batch {b}, folded": InnerSteps(config, k, b),
-        f"1 island x batch {k * b}": InnerSteps(config, 1, k * b)})
+        f"{k} islands x batch {b}, folded": timing.InnerSteps(config, k, b),
+        f"1 island x batch {k * b}": timing.InnerSteps(config, 1, k * b)})
   if "microbatch" in _SECTIONS.value:
     parts = _MICROBATCHES.value
     big = _BIG_BATCH.value or parts * config.data.batch_size
     _ratio_section("microbatch: gradient accumulation vs the plain batch", {
-        f"batch {big} in {parts} microbatches": InnerSteps(config, 1, big,
-                                                           parts),
-        f"batch {config.data.batch_size}": InnerSteps(
+        f"batch {big} in {parts} microbatches": timing.InnerSteps(
+            config, 1, big, parts),
+        f"batch {config.data.batch_size}": timing.InnerSteps(
             config, 1, config.data.batch_size)})
 
 
