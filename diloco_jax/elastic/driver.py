@@ -22,7 +22,7 @@ import ray
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import coordinator as coordinator_lib
-from diloco_jax.elastic import island as island_lib
+from diloco_jax.elastic import fleet as fleet_lib
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import settings as settings_lib
@@ -77,68 +77,14 @@ class _Tally:
     self.ray_bytes += ray_bytes
 
 
-def _island_launcher(run_config, settings, workdir):
-  """launch(slot) -> a new Ray actor training that slot, restarted by Ray
-  when its process dies."""
-  config = run_config.config
-  kill_steps = [{} for _ in range(run_config.islands)]
-  for island, round_number in settings.kill_islands:
-    # A moment of the round drawn from the run's seed: the same on a rerun.
-    kill_steps[island][round_number] = int(np.random.default_rng(
-        [config.seed, island, round_number]).integers(
-            config.diloco.inner_steps))
-  slow_rounds = [{} for _ in range(run_config.islands)]
-  for island, round_number in settings.slow_islands:
-    slow_rounds[island][round_number] = settings.slow_seconds
-  # SPREAD: islands are failure domains, each on another node where the
-  # cluster has several.
-  actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
-                     max_task_retries=0, scheduling_strategy="SPREAD",
-                     **_island_resources(config))(island_lib.IslandProgram)
-  return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
-                                slow_rounds[i])
-
-
-def _island_resources(config) -> dict:
-  """What each island's process asks Ray for: its own accelerators where
-  the cluster has GPUs (Ray then shows each process only its own), and on
-  CPU hosts as many host devices as the island's mesh needs."""
-  devices = config.mesh.data * config.mesh.stage
-  if ray.cluster_resources().get("GPU", 0):
-    return {"num_gpus": devices}
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in xla_flags:
-    xla_flags += f" --xla_force_host_platform_device_count={devices}"
-  return {"runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags.strip()}}}
-
-
-def _change_members(programs: dict, members: list[int],
-                    launch) -> tuple[list[int], list[int]]:
-  """Starts a process for each slot that joins and ends the process of
-  each that leaves (between rounds: nothing of theirs is in flight but a
-  late round, dropped already). Returns (joined, left)."""
-  joined = [i for i in members if i not in programs]
-  left = [i for i in programs if i not in members]
-  for i in left:
-    ray.kill(programs.pop(i))
-  for i in joined:
-    programs[i] = launch(i)
-  return joined, left
-
-
 def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
   config = run_config.config
   slots = run_config.islands
   inner_steps = config.diloco.inner_steps
   rounds = -(-config.total_steps // inner_steps)
-  launch = _island_launcher(run_config, settings, workdir)
-  programs = {}  # slot -> its process's actor, for this round's members
+  fleet = fleet_lib.Fleet(run_config, settings, workdir)
   tally = _Tally()
-  rejoining = set()  # islands whose process died last round
-  in_flight = {}  # island -> (its late call, the round it trains)
-  applied = {}  # island -> whether its last result reached x
-  nodes = {}  # island -> the Ray node its last result came from
   start_time = time.monotonic()
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   _keep_records_up_to(metrics_path, coordinator.rounds_done)
@@ -152,37 +98,16 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
           rounds)
       if problem:
         logging.warning("%s", problem)
-      joined, left = _change_members(programs, members, launch)
-      rejoining -= set(left)
-      for i in left:
-        in_flight.pop(i, None)
-      x = ray.put(coordinator.x)
-      # An island still training an earlier round (kept for the staleness
-      # rule) gets no new call: its late result is this round's.
-      calls = {ref: i for i, (ref, _) in in_flight.items()}
-      started = {ref: r for ref, r in in_flight.values()}
-      for i in members:
-        if i not in in_flight:
-          ref = _train_call(programs[i], i in rejoining).remote(
-              x, round_number, coordinator.data_states[i], steps,
-              applied.get(i, False))
-          calls[ref], started[ref] = i, round_number
+      joined, left = fleet.set_members(members)
+      calls = fleet.start_round(ray.put(coordinator.x), round_number,
+                                coordinator.data_states, steps)
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
-      rejoining = set(came_back.failed)
-      for i, result in came_back.results.items():
-        applied[i] = bool(included[i])
-        nodes[i] = result["node"]
-      for i in (*came_back.failed, *came_back.late):
-        applied[i] = False
-      # A late call is kept while its result could still be applied.
-      in_flight = {calls[ref]: (ref, started[ref])
-                   for ref in came_back.pending
-                   if round_number + 1 - started[ref] <= settings.stale_rounds}
+      fleet.settle(came_back, included, round_number)
       # Island-steps this round's calls set out to run, and those whose
       # work reached x (a late result's counted in the round it lands in).
-      run_steps = sum(started[ref] == round_number for ref in calls) * steps
+      run_steps = fleet.new_calls(round_number) * steps
       applied_steps = sum(len(result["losses"]) for i, result in
                           came_back.results.items() if included[i])
       tally.add(run_steps, applied_steps, coordinator.round_bytes,
@@ -216,7 +141,8 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       # SPMD runs count it, and what all islands sent through Ray.
       "comm_bytes": tally.comm_bytes, "ray_bytes": tally.ray_bytes,
       # Where each island ran last (Ray node ids).
-      "island_nodes": {str(i): node for i, node in sorted(nodes.items())},
+      "island_nodes": {str(i): node
+                       for i, node in sorted(fleet.nodes.items())},
       "wall_seconds": round(time.monotonic() - start_time, 3)}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -261,16 +187,6 @@ def _round_record(round_number: int, step: int, included: np.ndarray,
                else "",
                f"; late {came_back.late}" if came_back.late else "")
   return record
-
-
-def _train_call(program, rejoining: bool):
-  """The island's train_round method for this round's call. An island
-  whose process died is being restarted by Ray: its call waits for the
-  restart (the round's quorum and grace window still decide whether it is
-  in time); any other island's call fails at once if its process dies,
-  leaving it out of the round."""
-  return program.train_round.options(
-      max_task_retries=-1 if rejoining else 0)
 
 
 def _evaluator(run_config: run_config_lib.RunConfig):
