@@ -46,14 +46,15 @@ def members(workdir: str, slots: int, schedule: str, round_index: int,
 def parse(islands, slots: int) -> list[int]:
   """A sorted list of distinct slot indices in [0, slots), at least one;
   ValueError naming what is wrong."""
+  given = islands
   if isinstance(islands, str):
     islands = [part for part in islands.split(",") if part.strip()]
   try:
     chosen = sorted({int(island) for island in islands})
   except (TypeError, ValueError):
-    raise ValueError(f"islands {islands!r} are not slot numbers") from None
+    raise ValueError(f"islands {given!r} are not slot numbers") from None
   if not chosen or chosen[0] < 0 or chosen[-1] >= slots:
-    raise ValueError(f"islands {islands!r} must be one or more of the "
+    raise ValueError(f"islands {given!r} must be one or more of the "
                      f"run's slots 0..{slots - 1} (config.diloco.islands="
                      f"{slots})")
   return chosen
