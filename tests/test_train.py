@@ -125,7 +125,7 @@ BAD_CONFIGS = [
     ({"data.microbatches": 3}, "config.data.microbatches x config.mesh.data"),
     ({"data.microbatches": 0}, "config.data.microbatches=0"),
     ({"mesh.fsdp": True, "mesh.data": 2, "diloco.codec": "topk"},
-     "config.mesh.fsdp needs a dense codec"),
+     "config.mesh.fsdp=True splits over the island"),
     ({"model.attention": "flash"}, "config.model.attention='flash'"),
     ({"model.attention": "cudnn"}, "config.model.attention='cudnn' needs"),
     ({"diloco.outer_optimizer.name": "lamb"},

@@ -54,8 +54,9 @@ def _check_compression(config, problems: Problems) -> None:
   problems.require(
       not config.mesh.fsdp or diloco.codec in dense_codecs.DENSE_CODECS,
       "mesh.fsdp",
-      f"config.mesh.fsdp needs a dense codec {dense_codecs.DENSE_CODECS}; "
-      f"config.diloco.codec={diloco.codec!r} works on whole matrices")
+      f"config.diloco.codec={diloco.codec!r} works on whole matrices, which "
+      "config.mesh.fsdp=True splits over the island's devices; with FSDP "
+      f"use a dense codec {dense_codecs.DENSE_CODECS}")
 
 
 def _check_participation(config, problems: Problems) -> None:
@@ -198,6 +199,3 @@ def _check_streaming_composes(config, problems: Problems) -> None:
       diloco.dropped_islands != "idle", "diloco.dropped_islands",
       "config.diloco.dropped_islands='idle' restarts whole islands at an "
       "outer step; Streaming DiLoCo has none (use 'train')")
-  problems.require(
-      not config.mesh.fsdp or diloco.codec in dense_codecs.DENSE_CODECS,
-      "mesh.fsdp", "Streaming DiLoCo with config.mesh.fsdp needs a dense codec")
