@@ -9,21 +9,25 @@ subprocesses some tests start) compiles each once. Results do not change:
 a cached executable is the one XLA would build.
 """
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 import jax
 
-# pytest-xdist's test processes share one cache: each program compiles
-# once per run, whichever process meets it first.
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-if _RUN_ID:
-  _CACHE_DIR = os.path.join(tempfile.gettempdir(),
-                            f"diloco_jax_test_jit_cache_{_RUN_ID}")
-  os.makedirs(_CACHE_DIR, exist_ok=True)
-else:
-  _CACHE_DIR = tempfile.mkdtemp(prefix="diloco_jax_test_jit_cache_")
+# One folder per test run, made by the first process (pytest's own, which
+# starts pytest-xdist's test processes with its environment) and removed by
+# it at the end: the test processes share what is in it (the compilation
+# cache below, runs several tests read) and nothing is left in the temp dir.
+_OWNS_SHARED = "DILOCO_JAX_TEST_SHARED" not in os.environ
+if _OWNS_SHARED:
+  os.environ["DILOCO_JAX_TEST_SHARED"] = tempfile.mkdtemp(
+      prefix="diloco_jax_tests_")
+SHARED_DIR = os.environ["DILOCO_JAX_TEST_SHARED"]
+# Each program compiles once per run, whichever process meets it first.
+_CACHE_DIR = os.path.join(SHARED_DIR, "jit_cache")
+os.makedirs(_CACHE_DIR, exist_ok=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # The tests' models are tiny: compiling is most of their time and running
@@ -56,3 +60,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_unconfigure(config):
+  """The process that made the shared folder removes it."""
+  del config
+  if _OWNS_SHARED:
+    shutil.rmtree(SHARED_DIR, ignore_errors=True)

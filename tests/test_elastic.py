@@ -240,14 +240,14 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
 
 
 def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
-  """Island 1 sleeps 20 s into round 2; with a quorum of one island and a
+  """Island 1 sleeps 8 s into round 2; with a quorum of one island and a
   1 s grace window the round closes without it. Whatever rounds it makes
   later, its data position counts exactly the rounds it was part of."""
   workdir = str(tmp_path / "straggler")
   _elastic(namespace, workdir, "--config.elastic.min_islands=1",
            "--config.elastic.grace_seconds=1",
            "--config.testing.slow_island=1@2",
-           "--config.testing.slow_seconds=20")
+           "--config.testing.slow_seconds=8")
   records = _records(workdir)
   assert records[1]["late"] == [1] and records[1]["included"] == [1, 0]
   assert not records[1]["failed"]

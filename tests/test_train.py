@@ -124,8 +124,6 @@ BAD_CONFIGS = [
     ({"diloco.islands": 4, "mesh.data": 16}, "16 devices per island"),
     ({"data.microbatches": 3}, "config.data.microbatches x config.mesh.data"),
     ({"data.microbatches": 0}, "config.data.microbatches=0"),
-    ({"mesh.fsdp": True, "mesh.data": 2, "diloco.codec": "topk"},
-     "config.mesh.fsdp=True splits over the island"),
     ({"model.attention": "flash"}, "config.model.attention='flash'"),
     ({"model.attention": "cudnn"}, "config.model.attention='cudnn' needs"),
     ({"diloco.outer_optimizer.name": "lamb"},

@@ -6,7 +6,9 @@ reduce it with a compressed reduce-scatter + all-gather
 (communication.island_mean). Structured codecs (sign_prune, topk, lowrank,
 adaptive_lowrank; matrix_codecs.py) work on each matrix; vectors and
 tensors too small to gain go through the `fallback` dense codec in one
-collective.
+collective. On FSDP islands (`stripes` > 1) the structured codecs work on
+each device's pieces: top-k, sign pruning and SparseLoCo select per piece,
+low rank factors the whole matrix from its pieces (sharded_lowrank.py).
 
 Every codec returns what each island's contribution became after encoding
 (for error feedback) and runs inside the one jitted outer step; byte counts
@@ -22,11 +24,13 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from diloco_jax.algorithm import matrix_codecs
+from diloco_jax.algorithm import sharded_lowrank
 from diloco_jax.algorithm import sparse_chunks_mean
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.codecs import lowrank
 from diloco_jax.parallel import communication
 from diloco_jax.parallel import multihost
+from diloco_jax.parallel import placement
 from diloco_jax.parallel.mesh import ISLANDS
 
 STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
@@ -138,8 +142,12 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
     codec_state: as made by init_codec_state (replicated).
     key: PRNG key for stochastic rounding, or None for round to nearest.
     axes: the island axes (see communication).
-    stripes: the island's devices its arrays are split over (FSDP); dense
-      codecs only (structured codecs work on whole matrices).
+    stripes: the island's devices its arrays are split over (FSDP): a
+      dense codec compresses each device's shards in blocks of their own;
+      top-k, sign pruning and SparseLoCo select within each device's pieces
+      (placement.stripe_pieces), as a replicated island's codec would
+      select in pieces of that size; low rank factors whole matrices from
+      their pieces (sharded_lowrank.py).
 
   Returns:
     (mean, sent, codec_state): the mean, identical on every island; what
@@ -152,8 +160,10 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
         stripes=stripes)
     return mean, sent, codec_state
   if stripes > 1:
-    raise ValueError(f"codec {compression.name!r} works on whole matrices; "
-                     "FSDP islands need a dense codec")
+    if compression.is_lowrank:
+      return sharded_lowrank.island_mean(tree, weight, compression,
+                                         codec_state, key, axes, stripes)
+    return _per_piece_mean(tree, weight, compression, key, axes, stripes)
   if compression.name == SPARSELOCO:
     return sparse_chunks_mean.island_mean(tree, weight, compression, key,
                                           axes)
@@ -174,6 +184,31 @@ def island_mean(tree, weight, compression: Compression, codec_state=None,
   cast = lambda values: jax.tree.unflatten(
       treedef, [v.astype(x.dtype) for v, x in zip(values, leaves)])
   return cast(means), cast(sents), new_state
+
+
+def _per_piece_mean(tree, weight, compression: Compression, key, axes,
+                    stripes: int):
+  """A selecting codec (top-k, sign pruning, SparseLoCo) on each device's
+  pieces of the tree, each device coding its own (placement.map_stripes)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  pieces, joins = zip(*(placement.stripe_pieces(x, stripes) for x in leaves))
+  keys = None if key is None else jax.random.split(key, stripes)
+
+  def on_device(local, weight):
+    def one_piece(piece_leaves, piece_key):
+      mean, sent, _ = island_mean(list(piece_leaves), weight, compression,
+                                  None, piece_key, axes)
+      return mean, sent
+    device_pieces, device_keys = local
+    return jax.vmap(one_piece, in_axes=(0, None if device_keys is None
+                                        else 0))(device_pieces, device_keys)
+
+  means, sents = placement.map_stripes(on_device, (list(pieces), keys),
+                                       (weight,))
+  join = lambda values: jax.tree.unflatten(
+      treedef, [j(v).astype(x.dtype) for j, v, x in zip(joins, values,
+                                                        leaves)])
+  return join(means), join(sents), None
 
 
 def _small_leaves_mean(leaves, indices, share, compression: Compression,
@@ -201,11 +236,21 @@ def mean_bytes(tree, num_islands: int, compression: Compression,
     compression: the codec.
     rank_indices: adaptive_lowrank: each factored matrix's ladder index for
       this round (from the codec state); None means the top of the ladder.
-    stripes: as passed to island_mean (FSDP; dense codecs).
+    stripes: as passed to island_mean (FSDP: every device sends its
+      part).
   """
   if compression.is_dense:
     return communication.island_mean_bytes(tree, num_islands,
                                            compression.dense, stripes)
+  if stripes > 1:
+    if compression.is_lowrank:
+      return sharded_lowrank.mean_bytes(tree, num_islands, compression,
+                                        rank_indices, stripes)
+    pieces = [jax.ShapeDtypeStruct(placement.piece_shape(leaf.shape,
+                                                         stripes),
+                                   jnp.float32)
+              for leaf in jax.tree.leaves(tree)]
+    return stripes * mean_bytes(pieces, num_islands, compression)
   if compression.name == SPARSELOCO:
     return sparse_chunks_mean.mean_bytes(tree, num_islands, compression)
   k = num_islands

@@ -51,12 +51,6 @@ def _check_compression(config, problems: Problems) -> None:
         "diloco.lowrank.min_rank",
         f"config.diloco.lowrank.min_rank={diloco.lowrank.min_rank} exceeds "
         f"config.diloco.lowrank.max_rank={diloco.lowrank.max_rank}")
-  problems.require(
-      not config.mesh.fsdp or diloco.codec in dense_codecs.DENSE_CODECS,
-      "mesh.fsdp",
-      f"config.diloco.codec={diloco.codec!r} works on whole matrices, which "
-      "config.mesh.fsdp=True splits over the island's devices; with FSDP "
-      f"use a dense codec {dense_codecs.DENSE_CODECS}")
 
 
 def _check_participation(config, problems: Problems) -> None:

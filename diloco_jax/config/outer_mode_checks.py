@@ -34,12 +34,6 @@ def _check_sparseloco(config, problems: Problems, set_outer: dict) -> None:
       f"config.diloco.codec={diloco.codec!r}: SparseLoCo sends its own "
       "chunked top-k (config.diloco.sparseloco.density, chunk_size, bits); "
       "leave the codec at 'fp32'")
-  problems.require(
-      not config.mesh.fsdp, "mesh.fsdp",
-      "config.diloco.outer_optimizer.name='sparseloco' cuts whole leaves "
-      "into top-k chunks, which config.mesh.fsdp=True splits over the "
-      "island's devices; with FSDP use DiLoCo's outer step and a dense "
-      "codec")
   wanted = {"learning_rate": diloco.sparseloco.alpha, "momentum": 0.0}
   for field, value in set_outer.items():
     problems.require(

@@ -188,3 +188,91 @@ def stripe_width(shapes, stripes: int) -> int:
     width += (size // stripes if stripes > 1 and stripe_axis(shape, stripes)
               is not None else math.ceil(size / stripes))
   return width
+
+
+def stripe_pieces(leaf, stripes: int):
+  """`leaf` as [stripes, *piece], piece s on device s, and a function
+  that puts such a stack back into the leaf's shape.
+
+  A leaf FSDP splits comes apart along its split axis (each piece is the
+  shard one device holds, so this only relabels local memory); any other
+  leaf is flattened, zero-padded and cut into `stripes` equal vectors, as
+  `stripe` cuts it. Codecs that select or factor matrices (top-k, SparseLoCo,
+  low rank) then run batched over the pieces, on the devices holding them.
+  """
+  shape = leaf.shape
+  axis = stripe_axis(shape, stripes)
+  if axis is not None:
+    pieces = leaf.reshape(shape[:axis] + (stripes, shape[axis] // stripes)
+                          + shape[axis + 1:])
+    pieces = jnp.moveaxis(pieces, axis, 0)
+    join = lambda p: jnp.moveaxis(p, 0, axis).reshape(shape)
+  else:
+    size = math.prod(shape)
+    width = -(-size // stripes)
+    pieces = jnp.pad(leaf.reshape(-1), (0, width * stripes - size)).reshape(
+        stripes, width)
+    join = lambda p: p.reshape(-1)[:size].reshape(shape)
+  return jax.lax.with_sharding_constraint(pieces, P(DATA)), join
+
+
+def piece_shape(shape, stripes: int) -> tuple[int, ...]:
+  """The shape of one of stripe_pieces's pieces of a leaf of `shape`."""
+  axis = stripe_axis(shape, stripes)
+  if axis is not None:
+    return shape[:axis] + (shape[axis] // stripes,) + shape[axis + 1:]
+  return (-(-math.prod(shape) // stripes),)
+
+
+def map_stripes(fn: Callable, stripes_args, shared_args=()):
+  """Runs fn(local_stripes, *shared_args) on each 'data' device of every
+  island, on the stripes it holds.
+
+  `stripes_args` is a pytree of [stripes, ...] arrays (stripe_pieces'
+  layout: stripe s on 'data' device s); fn gets the [local, ...] stripes of
+  its device and returns a pytree of [local, ...] arrays, stacked back into
+  [stripes, ...]. Inside fn, `stripes_sum` and `stripes_gather` reach the
+  island's other stripes. Under a context mesh whose 'data' axis has
+  several devices this is a shard_map manual over 'data' (so XLA keeps
+  each device's work on its own shards, where its partitioner would
+  gather some ops' operands); elsewhere (one device per island, an outer
+  device holding whole islands, plain vmap) fn gets every stripe.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or DATA not in mesh.axis_names or mesh.shape[DATA] == 1:
+    return fn(stripes_args, *shared_args)
+  return jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(DATA),) + (P(),) * len(shared_args),
+      out_specs=P(DATA), axis_names={DATA}, check_vma=False)(
+          stripes_args, *shared_args)
+
+
+def _data_is_manual() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return (not mesh.empty and DATA in mesh.axis_names and mesh.shape[DATA] > 1
+          and mesh.axis_types[mesh.axis_names.index(DATA)]
+          == jax.sharding.AxisType.Manual)
+
+
+def stripes_sum(x):
+  """Inside map_stripes: the sum of [local, ...] `x` over every stripe of
+  the island (a psum among its 'data' devices)."""
+  total = jnp.sum(x, axis=0)
+  return jax.lax.psum(total, DATA) if _data_is_manual() else total
+
+
+def stripes_gather(x):
+  """Inside map_stripes: [local, ...] `x` of every stripe of the island,
+  [stripes, ...] in stripe order."""
+  return (jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+          if _data_is_manual() else x)
+
+
+def local_stripes(x):
+  """Inside map_stripes: this device's rows of a [stripes, ...] array every
+  device holds whole."""
+  if not _data_is_manual():
+    return x
+  local = x.shape[0] // jax.lax.axis_size(DATA)
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(DATA) * local,
+                                      local)
