@@ -79,7 +79,10 @@ def _configure_devices(config) -> None:
       processes = multihost.process_count_hint(_NUM_PROCESSES.value)
       count = -(-slots // processes)  # this process's share, rounded up
       if config.diloco.get("outer_placement") == "host":
-        count += 1  # the outer side's own device (on CPU-only hosts)
+        # The outer side's own devices, one per pipeline stage (on
+        # CPU-only hosts set aside from these, beside GPUs or TPUs these
+        # are the host devices it uses).
+        count += max(int(config.mesh.get("stage", 1) or 1), 1)
     jax.config.update("jax_num_cpu_devices", max(count, 1))
   multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                        _PROCESS_ID.value, _HEARTBEAT_TIMEOUT.value)

@@ -187,6 +187,43 @@ def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
   test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
 
 
+# Pipeline stages: each stage's x, outer state and collective on an outer
+# device of its own (2 stages, 2 outer devices); eager updates with int8
+# and error feedback, whose anchors, landed means and residuals cross per
+# stage.
+STAGED = {"model.num_layers": 2, "data.batch_size": 8, "mesh.stage": 2,
+          "diloco.islands": 2, "total_steps": 8, "diloco.inner_steps": 4,
+          "diloco.overlap": "eager", "diloco.codec": "int8",
+          "diloco.error_feedback": True}
+
+
+def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path):
+  """The run equals the staged run with its outer step on the compute
+  devices (to float summation order); the outer side holds each stage on
+  its own outer device, about half of x and the outer state on each."""
+  from diloco_jax.run import setup as setup_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.run import start as start_lib  # pylint: disable=g-import-not-at-top
+  from diloco_jax.parallel import stages as stages_lib  # pylint: disable=g-import-not-at-top
+  host, device = str(tmp_path / "host"), str(tmp_path / "device")
+  summary = train.train_and_evaluate(_config(**{
+      **STAGED, "diloco.outer_placement": "host"}), host)
+  assert summary["outer_placement"] == "host"
+  on_device = train.train_and_evaluate(_config(**STAGED), device)
+  assert summary["comm_bytes"] == on_device["comm_bytes"]
+  test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
+  config = _config(**{**STAGED, "diloco.outer_placement": "host"})
+  compute, outer_devices = outer_devices_lib.split_devices(jax.devices(), 2)
+  setup = setup_lib.build(validation.validate_config(config, len(compute)),
+                          compute, outer_devices)
+  setup.islands_side(start_lib.first_start(setup, None).state)
+  outer = setup.host_outer.outer_state
+  held = [outer.global_params, outer.outer_opt_state]
+  assert {d for leaf in jax.tree.leaves(held)
+          for d in leaf.sharding.device_set} == set(outer_devices)
+  whole = sum(leaf.nbytes for leaf in jax.tree.leaves(held))
+  assert stages_lib.bytes_per_device(held) <= 0.6 * whole
+
+
 def test_moves_assemble_each_target_from_the_blocks_a_process_holds():
   """outer_devices.move between shardings without a collective: a
   target shard is cut and joined from the grid of blocks held (island
@@ -259,7 +296,8 @@ def test_bad_placements_are_one_error(overrides, message):
 
 
 def test_a_cpu_host_without_a_spare_device_is_one_error(tmp_path):
-  with pytest.raises(validation.ConfigError, match="sets a CPU device aside"):
+  with pytest.raises(validation.ConfigError,
+                     match=r"sets 1 CPU device\(s\) aside per process"):
     train.train_and_evaluate(
         _config(**{"diloco.outer_placement": "host"}), str(tmp_path / "run"),
         devices=jax.devices()[:1])

@@ -435,7 +435,6 @@ def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
     ({"pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b' is not one"),
     # No count of microbatches (a multiple of 2) divides 7 sequences.
     ({"data.batch_size": 7}, "no count of pipeline microbatches divides"),
-    ({"diloco.outer_placement": "host"}, "outer_placement='host' gathers"),
     ({"diloco.fragments": 2}, "Streaming DiLoCo) are not implemented"),
     ({"mesh.stage": 1, "pipeline.repeats": 2},
      "applies to islands of several pipeline stages"),

@@ -127,12 +127,6 @@ def _check_composes(config, problems: Problems) -> None:
   """What pipelined islands cannot be combined with."""
   stages, diloco = config.mesh.stage, config.diloco
   problems.require(
-      diloco.outer_placement != "host", "diloco.outer_placement",
-      f"config.diloco.outer_placement='host' gathers each island's whole "
-      f"model on one outer device; config.mesh.stage={stages} splits it "
-      "over the stages (use outer_placement='device': each stage's outer "
-      "step runs on its own devices)")
-  problems.require(
       not run_config.is_streaming(diloco), "diloco.fragments",
       "config.diloco.fragments, fragment_delay and fragment_alpha (Streaming "
       f"DiLoCo) are not implemented for config.mesh.stage={stages}; use "

@@ -19,35 +19,48 @@ from diloco_jax.parallel import mesh as mesh_lib
 PLACEMENTS = ("device", "host")
 
 
-def split_devices(devices) -> tuple[list, list]:
+def split_devices(devices, per_process: int = 1) -> tuple[list, list]:
   """(compute devices, outer devices) for outer_placement='host'.
 
-  With accelerators among `devices`, each process's first CPU device is its
-  outer device and every accelerator computes. On CPU-only hosts each
-  process's last device of `devices` is set aside for the outer side.
+  `per_process` outer devices per process: one, or with pipeline stages
+  one per stage, so each stage's outer state and collective have a device
+  of their own. With accelerators among `devices`, each process's first
+  `per_process` CPU devices are its outer devices and every accelerator
+  computes. On CPU-only hosts each process's last `per_process` devices of
+  `devices` are set aside for the outer side.
 
   Raises:
-    ValueError: a process would be left without a compute device.
+    ValueError: a process would be left without a compute device, or
+      without enough CPU devices.
   """
   by_process = collections.defaultdict(list)
   for device in devices:
     by_process[device.process_index].append(device)
   if any(d.platform != "cpu" for d in devices):
-    cpus = {}
+    cpus = collections.defaultdict(list)
     for device in jax.devices("cpu"):
-      cpus.setdefault(device.process_index, device)
-    return list(devices), [cpus[p] for p in sorted(by_process)]
+      cpus[device.process_index].append(device)
+    short = [p for p in sorted(by_process) if len(cpus[p]) < per_process]
+    if short:
+      raise ValueError(
+          f"config.diloco.outer_placement='host' keeps {per_process} outer "
+          f"device(s) per process (one per pipeline stage) on its CPU "
+          f"devices; process(es) {short} have fewer (diloco_jax.main makes "
+          "them; elsewhere set jax_num_cpu_devices)")
+    return list(devices), [d for p in sorted(by_process)
+                           for d in cpus[p][:per_process]]
   compute, outer = [], []
   for process in sorted(by_process):
     local = by_process[process]
-    if len(local) < 2:
+    if len(local) <= per_process:
       raise ValueError(
-          "config.diloco.outer_placement='host' on CPU-only hosts sets a "
-          "CPU device aside per process, beside those the islands compute "
-          f"on; process {process} has {len(local)} (diloco_jax.main adds "
-          "one; with --cpu_devices or XLA_FLAGS, ask for one more)")
-    compute += local[:-1]
-    outer.append(local[-1])
+          "config.diloco.outer_placement='host' on CPU-only hosts sets "
+          f"{per_process} CPU device(s) aside per process (one per pipeline "
+          f"stage), beside those the islands compute on; process {process} "
+          f"has {len(local)} (diloco_jax.main adds them; with --cpu_devices "
+          f"or XLA_FLAGS, ask for {per_process} more)")
+    compute += local[:-per_process]
+    outer += local[-per_process:]
   return compute, outer
 
 

@@ -77,6 +77,7 @@ class RoundOuter(OuterSide):
     self._eager = overlap_lib.is_eager(overlap)
     self._warmup_rounds = warmup_rounds
     own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
+    stages = mesh.shape[mesh_lib.STAGE]  # each on outer devices of its own
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
     # The collective of the pseudo-gradients against `reference` (the x
@@ -85,14 +86,15 @@ class RoundOuter(OuterSide):
     self._send = jax.jit(lambda outer, island_params, weights, reference:
                          constrain(outer_step_lib.receive(
                              outer_opt, sync, self._delayed, outer,
-                             island_params, weights, reference)[0]))
+                             island_params, weights, reference,
+                             stages)[0]))
     self._apply = jax.jit(lambda outer: constrain(
-        outer_step_lib.apply_in_flight(outer_opt, outer)))
+        outer_step_lib.apply_in_flight(outer_opt, outer, stages)))
 
     def reset(state, x, restart, keep, ends_round):
       """The islands' side for the next round (outer_step.next_round)."""
       state = outer_step_lib.next_round(state, x, restart, keep,
-                                        inner_opt).replace(
+                                        inner_opt, stages).replace(
                                             round=state.round
                                             + int(ends_round))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
@@ -104,7 +106,7 @@ class RoundOuter(OuterSide):
       then the next round (x is not formed in a round)."""
       state = outer_step_lib.eager_islands(outer_opt, state, landed,
                                            landed_valid, weights, keep,
-                                           own_weight=own_weight,
+                                           stages, own_weight=own_weight,
                                            waited=waited)
       return reset(state, state.global_params, restart, keep, True)
 
@@ -113,7 +115,7 @@ class RoundOuter(OuterSide):
       the outer state comes along to take the islands' average)."""
       state = outer_step_lib.settle_eager(outer_opt, state.replace(
           in_flight=landed, in_flight_valid=landed_valid,
-          outer_opt_state=outer_state))
+          outer_opt_state=outer_state), stages)
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
@@ -367,7 +369,11 @@ def build(outer_devices, islands: int, compute_mesh,
   whole islands and encodes each in the same stripes as those devices
   would.
   """
-  mesh = mesh_lib.build_mesh(islands, 1, 1, outer_devices)
+  # With pipeline stages, one outer device per stage (per process): each
+  # stage's x, outer state and collective on its own, never the whole
+  # model on one device.
+  mesh = mesh_lib.build_mesh(islands, 1, compute_mesh.shape[mesh_lib.STAGE],
+                             outer_devices)
   sync = island_sync_lib.make_island_sync(
       mesh, compression, rounding_seed,
       stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,

@@ -146,7 +146,9 @@ class RunSetup:
         self.eval_shape, self.weights_shape, whole_abstract,
         num_eval_batches=len(self.data.eval_set))
     if self.host_outer is not None:
-      self.host_outer.compile_in_background(whole_abstract)
+      # The outer side holds the state as the islands' side does (staged
+      # over pipeline stages; the same as whole_abstract without them).
+      self.host_outer.compile_in_background(self.steps_state)
     return compiling
 
   def describe_placement(self) -> str:

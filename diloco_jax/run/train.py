@@ -93,7 +93,8 @@ def train_and_evaluate(config, workdir: str, devices=None,
   outer_devices = None
   if config.diloco.get("outer_placement") == "host":
     try:
-      devices, outer_devices = outer_devices_lib.split_devices(devices)
+      devices, outer_devices = outer_devices_lib.split_devices(
+          devices, per_process=max(config.mesh.get("stage", 1), 1))
     except ValueError as e:
       raise validation.ConfigError(str(e)) from None
   run_config = validation.validate_config(config, num_devices=len(devices),
