@@ -276,14 +276,16 @@ def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:
         f"{jax.process_count()} without any: use more islands or spread "
         "each island over the processes with config.mesh.data")
   split = (outer_devices_lib.islands_across_processes(mesh)
-           if run_config.host_outer and config.mesh.fsdp else [])
+           if run_config.host_outer and (config.mesh.fsdp
+                                         or config.mesh.stage > 1) else [])
   if split:
     raise validation.ConfigError(
-        "config.diloco.outer_placement='host' with config.mesh.fsdp gathers "
-        "each island on its own process's outer device, but island slot(s) "
-        f"{split} span processes (config.mesh.data={config.mesh.data}); "
-        "keep each island's devices in one process, or use "
-        "outer_placement='device'")
+        "config.diloco.outer_placement='host' with config.mesh.fsdp or "
+        "config.mesh.stage > 1 copies each island to its own process's "
+        f"outer devices, but island slot(s) {split} span processes "
+        f"(config.mesh.data={config.mesh.data}, config.mesh.stage="
+        f"{config.mesh.stage}); keep each island's devices in one process, "
+        "or use outer_placement='device'")
   if config.pretrain_steps and len(multihost.idle_processes(
       mesh_lib.build_mesh(1, config.mesh.data, config.mesh.stage,
                           devices))):
