@@ -170,6 +170,19 @@ FSDP = {"diloco.islands": 2, "mesh.data": 2, "mesh.fsdp": True,
         "diloco.error_feedback": True}
 
 
+def _assert_host_equals_device(tmp_path, overrides):
+  """The run with the outer step on its own device(s) equals the run with
+  it on the compute devices, to float summation order, sending the same
+  bytes."""
+  host, device = str(tmp_path / "host"), str(tmp_path / "device")
+  summary = train.train_and_evaluate(_config(**{
+      **overrides, "diloco.outer_placement": "host"}), host)
+  assert summary["outer_placement"] == "host"
+  on_device = train.train_and_evaluate(_config(**overrides), device)
+  assert summary["comm_bytes"] == on_device["comm_bytes"]
+  test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
+
+
 # The outer step's host path is checked on its own for every overlap
 # (test_the_host_outer_step_equals_the_on_device_one); runs with the plain
 # delay and with streaming, FSDP islands on 2 processes, in test_multihost;
@@ -178,13 +191,7 @@ FSDP = {"diloco.islands": 2, "mesh.data": 2, "mesh.fsdp": True,
 def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
     tmp_path):
   overrides = {"diloco.overlap": "one_step_delay_rebase", **FSDP}
-  host, device = str(tmp_path / "host"), str(tmp_path / "device")
-  summary = train.train_and_evaluate(_config(**{
-      **overrides, "diloco.outer_placement": "host"}), host)
-  assert summary["outer_placement"] == "host"
-  on_device = train.train_and_evaluate(_config(**overrides), device)
-  assert summary["comm_bytes"] == on_device["comm_bytes"]
-  test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
+  _assert_host_equals_device(tmp_path, overrides)
 
 
 # Pipeline stages: each stage's x, outer state and collective on an outer
@@ -204,13 +211,7 @@ def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path):
   from diloco_jax.run import setup as setup_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.run import start as start_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.parallel import stages as stages_lib  # pylint: disable=g-import-not-at-top
-  host, device = str(tmp_path / "host"), str(tmp_path / "device")
-  summary = train.train_and_evaluate(_config(**{
-      **STAGED, "diloco.outer_placement": "host"}), host)
-  assert summary["outer_placement"] == "host"
-  on_device = train.train_and_evaluate(_config(**STAGED), device)
-  assert summary["comm_bytes"] == on_device["comm_bytes"]
-  test_multihost._assert_close_runs(device, host)  # pylint: disable=protected-access
+  _assert_host_equals_device(tmp_path, STAGED)
   config = _config(**{**STAGED, "diloco.outer_placement": "host"})
   compute, outer_devices = outer_devices_lib.split_devices(jax.devices(), 2)
   setup = setup_lib.build(validation.validate_config(config, len(compute)),
