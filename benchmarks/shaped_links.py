@@ -3,6 +3,7 @@ r"""DiLoCo variants over a real, rate-limited link between processes (root).
   sudo .venv/bin/python benchmarks/shaped_links.py \
       [--bandwidths_mbit=1000,100] \
       [--modes=ddp,diloco,overlap_host,eager_host,streaming_host] \
+      [--stages=2] \
       [--codecs=fp32,int8] [--steps=60] [--ddp_steps=30] [--inner_steps=10]
       [--out=res.json]
 
@@ -33,7 +34,8 @@ Per run the table gives:
     round s, where the inner-step time is the steady round / H of a
     reference run: diloco fp32, overlap none, in the same namespaces with
     NO rate limit (its syncs over an unshaped veth are included, so it
-    slightly overstates the step's compute time, and util).
+    slightly overstates the step's compute time, and util); the *_stages
+    modes' reference has as many pipeline stages.
   * model round s / model util: workloads.run_estimate for the run's
     config at that reference step time and the shaped rate (latency 0: tbf
     adds none); err: round s / model round s - 1.
@@ -77,7 +79,13 @@ _MODES = flags.DEFINE_list(
     "ddp | diloco (overlap none) | overlap_host (one_step_delay, outer step "
     "on a host device) | eager_host (eager updates, the collective on a host "
     "device) | streaming (fragments/fragment_delay, on the "
-    "compute devices) | streaming_host (the same, sends on a host device).")
+    "compute devices) | streaming_host (the same, sends on a host device) | "
+    "diloco_stages (diloco on islands of --stages pipeline stages) | "
+    "streaming_stages_host (those stages as the fragments, each stage's "
+    "sends on a host device of its own: staggered stage syncs).")
+_STAGES = flags.DEFINE_integer(
+    "stages", 2, "Pipeline stages per island of the *_stages modes (their "
+    "inner-step time is an unshaped reference run's with as many stages).")
 _CODECS = flags.DEFINE_list("codecs", ["fp32", "int8"],
                             "config.diloco.codec values (ddp: fp32 only; it "
                             "all-reduces fp32 gradients whatever the codec).")
@@ -200,12 +208,23 @@ def steady_round_s(metrics: list[dict], inner_steps: int,
   return (ends[(rounds - 1) * inner_steps] - ends[inner_steps]) / (rounds - 2)
 
 
+def _stages(mode: str) -> int:
+  return _STAGES.value if "stages" in mode else 1
+
+
 def _mode_flags(mode: str, codec: str) -> list[str]:
   f = [f"--config.diloco.codec={codec}"]
   if mode == "ddp":
     return ["--config.mode=ddp"]
   f.append("--config.mode=diloco")
-  if mode in ("overlap_host", "eager_host"):
+  if _stages(mode) > 1:
+    f.append(f"--config.mesh.stage={_stages(mode)}")
+  if mode == "streaming_stages_host":
+    # One fragment per stage, each stage's sends on its own outer device.
+    f += [f"--config.diloco.fragments={_STAGES.value}",
+          f"--config.diloco.fragment_delay={_DELAY.value}",
+          "--config.diloco.outer_placement=host"]
+  elif mode in ("overlap_host", "eager_host"):
     overlap = "eager" if mode == "eager_host" else "one_step_delay"
     f += [f"--config.diloco.overlap={overlap}",
           "--config.diloco.outer_placement=host"]
@@ -218,7 +237,7 @@ def _mode_flags(mode: str, codec: str) -> list[str]:
           f"--config.diloco.fragment_delay={_DELAY.value}"]
     if mode == "streaming_host":
       f.append("--config.diloco.outer_placement=host")
-  elif mode != "diloco":
+  elif mode not in ("diloco", "diloco_stages"):
     raise app.UsageError(f"unknown mode {mode}")
   return f
 
@@ -264,8 +283,9 @@ def _row(name, mode, codec, mbit, result, ref_step_s):
 
 def _table(rows, ref_step_s) -> str:
   fmt = lambda x, f: "" if x is None else format(x, f)
-  lines = [f"inner-step time (reference: diloco fp32, unshaped): "
-           f"{fmt(ref_step_s, '.4f')} s\n",
+  steps = ", ".join(f"{fmt(step, '.4f')} s at {stages} stage(s)"
+                    for stages, step in sorted(ref_step_s.items()))
+  lines = [f"inner-step time (reference: diloco fp32, unshaped): {steps}\n",
            "| mode | codec | Mbit/s | round s | util | model round s | "
            "model util | err | train s | model train s | link MB/proc | "
            "comm MB | link/comm | eval loss |",
@@ -301,12 +321,15 @@ def main(argv):
             "--config.network.latency_s=0.0",
             *_MODEL_FLAGS.value, *_EXTRA.value]
   net = netns.Network(_PROCESSES.value, _SUBNET.value)
-  rows, ref_step_s, failures = [], None, []
+  rows, ref_step_s, failures = [], {}, []
   try:
     net.create()
     plan = []
-    if _REFERENCE.value:
-      plan.append(("reference", "diloco", "fp32", None))
+    if _REFERENCE.value:  # one per stage count the modes use
+      for stages in sorted({_stages(mode) for mode in _MODES.value}):
+        plan.append(("reference" if stages == 1 else f"reference_{stages}"
+                     "_stages", "diloco" if stages == 1 else "diloco_stages",
+                     "fp32", None))
     for mbit in map(float, _BANDWIDTHS.value):
       mbit = int(mbit) if mbit == int(mbit) else mbit
       for mode in _MODES.value:
@@ -325,11 +348,12 @@ def main(argv):
         print(f"  FAILED: {e}", flush=True)
         failures.append(str(e))
         continue
-      if name == "reference":
-        ref_step_s = steady_round_s(
+      if name.startswith("reference"):
+        ref_step_s[_stages(mode)] = steady_round_s(
             result["metrics"], _INNER.value,
             result["summary"]["train_s"]) / _INNER.value
-      rows.append(_row(name, mode, codec, mbit, result, ref_step_s))
+      rows.append(_row(name, mode, codec, mbit, result,
+                       ref_step_s.get(_stages(mode))))
       r = rows[-1]
       print(f"  round {r['round_s']:.2f} s, link "
             f"{r['link_bytes_per_process'] / 1e6:.2f} MB/proc, comm "

@@ -1,5 +1,6 @@
 """Small shared builders for the tests."""
 
+import fcntl
 import functools
 import os
 import re
@@ -146,6 +147,20 @@ def run_rounds(state, inner_step, outer_step, weights, batches, mesh,
     if outer_step is not None and step % inner_steps == 0:
       state = outer_step(state, weights)
   return state, np.array(losses), np.array(grad_norms)
+
+
+def shared_run(name: str, config) -> tuple[str, dict]:
+  """Trains `config` once per test run, in the run's shared folder
+  (conftest.py), as (workdir, summary): pytest-xdist's processes share
+  it. The first to ask trains it under a file lock, the others wait and
+  read its summary (a finished run's workdir returns it at once)."""
+  from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
+  shared = os.path.join(os.environ["DILOCO_JAX_TEST_SHARED"], "runs")
+  os.makedirs(shared, exist_ok=True)
+  workdir = os.path.join(shared, name)
+  with open(f"{workdir}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return workdir, train.train_and_evaluate(config, workdir)
 
 
 def with_overrides(config, overrides: dict):

@@ -11,10 +11,7 @@ of small gradients into ~1e-6 differences of the params after a few steps
 (as FSDP's test measures for its own reassociation).
 """
 
-import fcntl
 import functools
-import os
-import pathlib
 import re
 
 import jax
@@ -221,20 +218,13 @@ _STAGED = {
 
 @pytest.fixture(scope="module")
 def runs():
-  """Lazily run configs: runs(name, stages, staged_name) -> (workdir,
-  summary). pytest-xdist's processes share the runs (in the test run's
-  shared folder, conftest.py): the first to ask for one trains it under a
-  file lock, the others wait and read its summary (a finished run's
-  workdir returns it at once)."""
-  shared = pathlib.Path(os.environ["DILOCO_JAX_TEST_SHARED"]) / "pipeline_runs"
-  shared.mkdir(exist_ok=True)
+  """Lazily run configs, once per test run (helpers.shared_run):
+  runs(name, stages, staged_name) -> (workdir, summary)."""
 
   def run(name, stages, staged=None):
-    workdir = shared / "_".join(map(str, (name, stages, staged)))
     config = _config(stages, **_RUNS[name], **_STAGED.get(staged, {}))
-    with open(f"{workdir}.lock", "w") as lock:
-      fcntl.flock(lock, fcntl.LOCK_EX)
-      return str(workdir), train.train_and_evaluate(config, str(workdir))
+    return helpers.shared_run("_".join(map(str, ("pipeline", name, stages,
+                                                 staged))), config)
 
   return run
 

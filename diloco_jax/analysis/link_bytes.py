@@ -24,7 +24,8 @@ class LinkBytes:
   DiLoCo fragment; with FSDP each device of an island sends its own
   shards' part. With pipeline stages each stage reduces its own layers
   (and its piece of the other leaves) in a collective of its own: the
-  island sends the sum over its stages.
+  island sends the sum over its stages, or with Streaming DiLoCo (a
+  fragment per stage) one stage's share per send.
   """
 
   def __init__(self, config, param_shapes, islands: int, compression,
@@ -55,8 +56,8 @@ class LinkBytes:
     (`rank_indices` as compression.rank_indices gives them)."""
     if self._mode != "diloco":
       return self.ddp_step
-    if self._stages > 1:
-      return self._stage_syncs(rank_indices)
+    if self._stages > 1:  # Streaming DiLoCo: fragment s is stage s
+      return self._stage_syncs(rank_indices, fragment)
     shapes = self._param_shapes
     if fragment is not None:
       assignment = fragments_lib.leaf_fragments(self._param_shapes,
@@ -71,21 +72,25 @@ class LinkBytes:
                                       self._compression, rank_indices,
                                       self._stripes)
 
-  def _stage_syncs(self, rank_indices) -> int:
-    """Every stage's sync of its own params, at its own ranks."""
+  def _stage_syncs(self, rank_indices, stage: int | None = None) -> int:
+    """Every stage's sync of its own params (or only `stage`'s), at its own
+    ranks."""
     per_stage = (None if rank_indices is None
                  else len(rank_indices) // self._stages)
     return sum(compression_lib.mean_bytes(
         self._stage_shapes, self._islands, self._compression,
         None if rank_indices is None
         else rank_indices[s * per_stage:(s + 1) * per_stage],
-        self._stripes) for s in range(self._stages))
+        self._stripes)
+               for s in (range(self._stages) if stage is None else (stage,)))
 
   @functools.lru_cache(maxsize=None)
   def fp32_sync(self, fragment: int | None) -> int:
     """The same sync in float32 (what the codec is measured against)."""
     if fragment is None:
       return self.ddp_step
+    if self._stages > 1:
+      return self.ddp_step // self._stages  # one stage's share
     assignment = fragments_lib.leaf_fragments(self._param_shapes,
                                               self._fragments)
     return compression_lib.mean_bytes(

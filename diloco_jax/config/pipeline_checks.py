@@ -124,10 +124,14 @@ def _check_batches(config, problems: Problems) -> None:
 
 
 def _check_composes(config, problems: Problems) -> None:
-  """What pipelined islands cannot be combined with."""
+  """What pipelined islands ask of the settings they combine with."""
   stages, diloco = config.mesh.stage, config.diloco
-  problems.require(
-      not run_config.is_streaming(diloco), "diloco.fragments",
-      "config.diloco.fragments, fragment_delay and fragment_alpha (Streaming "
-      f"DiLoCo) are not implemented for config.mesh.stage={stages}; use "
-      "mesh.stage=1, or DiLoCo with overlap='one_step_delay'")
+  if run_config.is_streaming(diloco) and problems.ok("diloco.fragments"):
+    # Each stage syncs what it holds on its own offset (its layers and its
+    # piece of the embedding, norm and head): a fragment is a stage.
+    problems.require(
+        diloco.fragments == stages, "diloco.fragments",
+        f"config.diloco.fragments={diloco.fragments} with config.mesh.stage="
+        f"{stages}: on pipelined islands each stage is one Streaming DiLoCo "
+        "fragment (its layers and its piece of the embedding, final norm "
+        f"and head), so set --config.diloco.fragments={stages}")

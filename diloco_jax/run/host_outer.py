@@ -53,6 +53,7 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from diloco_jax.parallel.outer_devices import move
+from diloco_jax.run import stage_fragments
 # The outer fields, and the base every outer side extends.
 from diloco_jax.run.outer_side import OUTER_FIELDS, OuterSide, outer_part, strip  # pylint: disable=unused-import
 
@@ -181,10 +182,10 @@ class RoundOuter(OuterSide):
     """The round's end: the islands' params go out, x comes back."""
     self._use_compiled()
     restart, keep = self._round_masks(state, weights)
-    island_params = move(state.island_params, self._on_islands)
+    island_params = move(state.island_params, self._island_trees)
     outer_weights = move(weights, self._on_islands)
     if self._anchored:  # each island's a_i (eager: its x_m)
-      reference = move(state.anchors, self._on_islands)
+      reference = move(state.anchors, self._island_trees)
     else:  # s_r, the x this round started from
       reference = self._outer.global_params
     if self._eager:
@@ -378,6 +379,11 @@ def build(outer_devices, islands: int, compute_mesh,
       mesh, compression, rounding_seed,
       stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
       reference_per_island=overlap_lib.anchored(overlap))
+  if fragments and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
+    return stage_fragments.StageFragmentOuter(
+        mesh, islands, compute_mesh, outer_opt=outer_opt,
+        compression=compression, rounding_seed=rounding_seed,
+        stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1, fsdp=fsdp)
   if fragments:
     return FragmentOuter(mesh, islands, compute_mesh,
                          outer_opt=outer_opt, sync=sync,

@@ -58,6 +58,14 @@ class OuterSide:
     """Stacked per-island arrays on the outer devices."""
     return NamedSharding(self.mesh, P(mesh_lib.ISLAND))
 
+  @property
+  def _island_trees(self) -> NamedSharding:
+    """The islands' params (or anchors) on the outer devices: with
+    pipeline stages each stage's part on that stage's outer device only."""
+    if self.mesh.shape[mesh_lib.STAGE] == 1:
+      return self._on_islands
+    return NamedSharding(self.mesh, P(mesh_lib.ISLAND, mesh_lib.STAGE))
+
   def _outer_shardings(self, outer):
     return state_lib.state_shardings(outer, self.mesh)
 
@@ -95,7 +103,7 @@ class OuterSide:
     outer = placement.with_shardings(outer, self._outer_shardings(outer))
     on_islands = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                       sharding=self._on_islands), tree)
+                                       sharding=self._island_trees), tree)
     islands_state = state.replace(
         island_params=on_islands(state.island_params),
         anchors=on_islands(state.anchors))

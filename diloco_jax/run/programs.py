@@ -26,6 +26,7 @@ from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import background
 from diloco_jax.run import integrity
+from diloco_jax.run import stage_fragments
 from diloco_jax.run import state_spec as state_spec_lib
 
 
@@ -138,6 +139,16 @@ def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
   config = run_config.config
   fsdp, num_fragments = config.mesh.fsdp, config.diloco.fragments
   on_device = not run_config.host_outer
+  if mesh.shape[mesh_lib.STAGE] > 1:  # fragment s is stage s
+    programs = {"merges": stage_fragments.compile_merges(
+        mesh, state, alpha=config.diloco.fragment_alpha,
+        inner_opt=spec.inner_opt)}
+    if on_device:
+      programs["sends"] = stage_fragments.compile_sends(
+          mesh, state, weights, outer_opt=spec.outer_opt,
+          compression=spec.compression, rounding_seed=_rounding_seed(config),
+          stripes=mesh.shape[mesh_lib.DATA] if fsdp else 1)
+    return programs
   programs = {}
   if on_device:
     programs["sends"] = tuple(fragments_lib.make_fragment_send(

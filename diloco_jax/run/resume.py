@@ -44,6 +44,18 @@ def refuse_config_changes(path: str, meta: dict, config) -> None:
         f"{config.mode!r} in place (ddp and single runs never update the "
         "global params that every island would start from); to start from "
         f"its model, use another --workdir with --config.init_from={path}")
+  saved_stages = meta["config"].get("mesh", {}).get("stage", 1)
+  if (config.mode == "diloco" and run_config_lib.is_streaming(config.diloco)
+      and saved_stages != config.mesh.stage):
+    # Fragment s is stage s, with an outer state per stage: another stage
+    # count is another split of the model into fragments.
+    raise ConfigChangedError(
+        f"{where} was written by Streaming DiLoCo with config.mesh.stage="
+        f"{saved_stages}; its fragments (one per stage on pipelined "
+        "islands) and their outer states do not carry over to config.mesh."
+        f"stage={config.mesh.stage}: resume with --config.mesh.stage="
+        f"{saved_stages}, or start another --workdir with --config.init_from="
+        f"{path}")
   if refused:
     names = ",".join(c["field"] for c in refused)
     raise ConfigChangedError(

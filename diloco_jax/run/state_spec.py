@@ -15,6 +15,7 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import stage_fragments
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
@@ -38,7 +39,8 @@ class StateSpec:
     overlap: one of overlap.OVERLAPS; a delayed one keeps the update in
       flight, and 'one_step_delay_rebase' the islands' anchors too.
     fragments: Streaming DiLoCo's fragment count, or 0 outside streaming
-      (the outer optimizer then keeps one state per fragment).
+      (the outer optimizer then keeps one state per fragment; with a
+      `layout` the fragments are its stages).
     layout: the islands' pipeline stages (config.mesh.stage > 1), or None.
   """
   mode: str
@@ -58,7 +60,10 @@ class StateSpec:
                                  self.islands, self.error_feedback,
                                  self.compression, seed=self.seed,
                                  overlap=self.overlap, layout=self.layout)
-    if self.fragments:
+    if self.fragments and self.layout is not None:  # fragment s: stage s
+      state = state.replace(outer_opt_state=stage_fragments.init_outer_states(
+          params, self.outer_opt, self.layout))
+    elif self.fragments:
       state = state.replace(outer_opt_state=fragments_lib.init_outer_states(
           params, self.outer_opt, self.fragments))
     return state
@@ -72,14 +77,25 @@ class StateSpec:
     the pipeline stages, or `state` itself (traceable)."""
     if self.layout is None:
       return state
-    return state_lib.stage_state(state, self.layout)
+    if not self.fragments:
+      return state_lib.stage_state(state, self.layout)
+    # One outer state per stage (fragment), stacked along the stage axis.
+    staged = state_lib.stage_state(state.replace(outer_opt_state=None),
+                                   self.layout)
+    return staged.replace(outer_opt_state=stage_fragments.stack_outer_states(
+        state.outer_opt_state))
 
   def logical(self, state: state_lib.TrainState,
               logical_shapes: state_lib.TrainState) -> state_lib.TrainState:
     """The logical state checkpoints hold from the steps' one (traceable)."""
     if self.layout is None:
       return state
-    return state_lib.unstage_state(state, self.layout, logical_shapes)
+    if not self.fragments:
+      return state_lib.unstage_state(state, self.layout, logical_shapes)
+    logical = state_lib.unstage_state(state.replace(outer_opt_state=None),
+                                      self.layout, logical_shapes)
+    return logical.replace(outer_opt_state=stage_fragments.split_outer_states(
+        state.outer_opt_state, self.layout.stages))
 
 
 def for_config(config, islands: int | None = None,
