@@ -288,15 +288,3 @@ def test_eager_on_the_default_config_through_main_and_its_resume(tmp_path):
   assert summary["resumed_from_step"] == 8 and summary["rounds"] == 6
   assert [c["field"] for c in summary["config_changes"]] == ["total_steps"]
   assert _saved_outer(workdir) == EAGER
-
-
-@pytest.mark.slow
-def test_four_stages_on_the_tiny_config_through_main(tmp_path):
-  workdir = str(tmp_path / "stages")
-  result = _main(workdir, "--config=configs/tiny.py", "--config.mesh.stage=4",
-                 "--config.model.num_layers=4", "--config.total_steps=4",
-                 "--config.diloco.inner_steps=2")
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "4 pipeline stages (gpipe, 4 microbatches" in result.stderr
-  with open(os.path.join(workdir, "summary.json")) as f:
-    assert json.load(f)["rounds"] == 2

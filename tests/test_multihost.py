@@ -414,10 +414,12 @@ def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
 # their shards (fsdp_streaming, whose fragments are in flight too); the
 # rebasing delay with FSDP runs in one process in test_outer_placement.
 @pytest.mark.parametrize("overlap", [
-    ("--config.diloco.overlap=eager", "--config.total_steps=6",
-     "--config.diloco.overlap_warmup_rounds=1",
+    ("--config.diloco.islands=4", "--config.diloco.overlap=eager",
+     "--config.total_steps=6", "--config.diloco.overlap_warmup_rounds=1",
      "--config.diloco.codec=int8", "--config.diloco.error_feedback=True"),
-    ("--config.model.num_layers=2", "--config.diloco.fragments=2",
+    # One FSDP island per process.
+    ("--config.diloco.islands=2", "--config.model.num_layers=2",
+     "--config.diloco.fragments=2",
      "--config.diloco.fragment_delay=1", "--config.total_steps=6",
      "--config.mesh.data=2", "--config.mesh.fsdp=True",
      "--config.model.d_model=64", "--config.model.num_heads=4",
@@ -431,9 +433,8 @@ def test_the_outer_step_on_each_process_own_device(tmp_path, overlap):
   # cross-island collective between those devices (streaming: each
   # fragment's); with the delay or the fragments in flight the run must
   # still equal the on-device programs in one process.
-  extra = ("--config.diloco.islands=4", *overlap)
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  _one_process(one, *extra)
-  output = _run(2, two, *extra, "--config.diloco.outer_placement=host")
+  _one_process(one, *overlap)
+  output = _run(2, two, *overlap, "--config.diloco.outer_placement=host")
   assert "outer step on its own device(s)" in output
   _assert_close_runs(one, two)

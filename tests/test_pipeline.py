@@ -230,10 +230,11 @@ def runs():
 
 
 # DiLoCo at S = 2 runs with FSDP islands (data 2): its stages and FSDP
-# in one run; the other modes at S = 2 without FSDP.
+# in one run; the other modes at S = 2 without FSDP. (S = 4: its loss and
+# gradients above, its state read back below; the steps are the same
+# per-stage code for any S.)
 @pytest.mark.parametrize("name,stages,staged", [
-    ("diloco", 2, "S2-data2-fsdp"), ("diloco", 4, "S4"), ("eager", 2, "S2"),
-    ("ddp", 2, "S2"),
+    ("diloco", 2, "S2-data2-fsdp"), ("eager", 2, "S2"), ("ddp", 2, "S2"),
 ])
 def test_a_pipelined_run_equals_one_stage(runs, name, stages, staged):
   reference, reference_summary = runs(name, 1)

@@ -27,7 +27,8 @@ def stage_mesh(mesh, stage: int) -> jax.sharding.Mesh:
   whose 'stage' axis has size 1."""
   axis = mesh.axis_names.index(STAGE)
   devices = np.take(mesh.devices, [stage], axis=axis)
-  return jax.sharding.Mesh(devices, mesh.axis_names)
+  return jax.sharding.Mesh(devices, mesh.axis_names,
+                           axis_types=mesh.axis_types)
 
 
 def stage_dim(spec) -> int | None:
