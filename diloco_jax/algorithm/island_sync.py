@@ -9,13 +9,14 @@ fragments.py); library.py calls it over stacked islands or in shard_map.
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.parallel import communication
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
-from diloco_jax.parallel.mesh import DATA, STAGE
+from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
 from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
 from diloco_jax.parallel.stages import per_stage
 
@@ -65,23 +66,29 @@ def make_island_sync(mesh, compression=None,
           communication.island_index())
     return sync_island(reference, island_params, residuals, codec_state,
                        weight, compression, key, stripes=stripes,
-                       stages=stages)
+                       stage_axis=stages > 1)
 
+  # Staged trees: each device takes its own stage (the 'stage' axis
+  # manual), so each collective stays among the devices of one stage.
+  staged = (lambda spec: spec if stages == 1 else
+            P(ISLAND, STAGE) if spec == PER_ISLAND else P(STAGE))
   return placement.island_map(
       island_sync, mesh,
-      in_specs=(PER_ISLAND if reference_per_island else REPLICATED,
-                PER_ISLAND, PER_ISLAND, REPLICATED, PER_ISLAND, REPLICATED),
-      out_specs=(REPLICATED, PER_ISLAND, REPLICATED, PER_ISLAND, PER_ISLAND),
+      in_specs=(staged(PER_ISLAND if reference_per_island else REPLICATED),
+                staged(PER_ISLAND), staged(PER_ISLAND), staged(REPLICATED),
+                PER_ISLAND, REPLICATED),
+      out_specs=(staged(REPLICATED), staged(PER_ISLAND), staged(REPLICATED),
+                 PER_ISLAND, PER_ISLAND),
       # A compressed mean ends in an all_gather, whose result is the same
       # on every island but is typed as varying; the replicated out_specs
       # are right by construction (tests check islands agree bit for bit).
-      check_vma=False)
+      check_vma=False, stage_manual=stages > 1)
 
 
 def sync_island(reference, island_params, residuals, codec_state, weight,
                 compression: compression_lib.Compression, key=None, *,
                 axes=communication.ISLANDS, stripes: int = 1,
-                stages: int = 1):
+                stages: int = 1, stage_axis: bool = False):
   """One island's part of the outer step's collective (traceable).
 
   Call it once per island where the islands are named by `axes`: inside
@@ -101,6 +108,9 @@ def sync_island(reference, island_params, residuals, codec_state, weight,
     axes: the island axis name(s).
     stripes: rows each island's arrays are cut into (FSDP; dense codecs).
     stages: > 1 for staged trees: each stage reduces its own layers.
+    stage_axis: the trees hold this device's stage only (a leading stage
+      axis of 1) of staged trees whose stages are a manual 'stage' mesh
+      axis (make_island_sync's): the stages agree on `finite` over it.
 
   Returns:
     (mean, residuals, codec_state, included, finite): the weighted mean of
@@ -121,21 +131,29 @@ def sync_island(reference, island_params, residuals, codec_state, weight,
   # pseudo-gradient is not finite (it diverged) takes no part: its values
   # are zeroed before any arithmetic, since NaN x 0 is still NaN.
   finite = guards.all_finite(pseudo_grad)
+  if stage_axis:  # not finite on any stage: on none
+    finite = jax.lax.psum((~finite).astype(jnp.int32), STAGE) == 0
   included = (weight > 0) & finite
   weight = jnp.where(included, weight, 0.0)
   pseudo_grad = jax.tree.map(lambda g: jnp.where(included, g, 0),
                              pseudo_grad)
 
   def stage_mean(tree, codec_state, key):
-    if key is not None and stages > 1:
+    if key is not None and (stages > 1 or stage_axis):
       key = jax.random.fold_in(key, stages_lib.stage_index())
     return compression_lib.island_mean(tree, weight, compression,
                                        codec_state, key, axes=axes,
                                        stripes=stripes)
 
-  mean, sent, codec_state = per_stage(stage_mean, stages,
-                                      in_axes=(0, 0, None))(
-                                          pseudo_grad, codec_state, key)
+  if stage_axis:  # this device's stage, its axis of 1 dropped and back
+    drop = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    mean, sent, codec_state = jax.tree.map(
+        lambda a: a[None], stage_mean(drop(pseudo_grad), drop(codec_state),
+                                      key))
+  else:
+    mean, sent, codec_state = per_stage(stage_mean, stages,
+                                        in_axes=(0, 0, None))(
+                                            pseudo_grad, codec_state, key)
   if residuals is not None:
     # An island that took no part keeps the residual it had.
     residuals = jax.tree.map(
