@@ -288,8 +288,7 @@ def test_warmup_rounds_run_as_diloco_without_overlap(tmp_path):
           "diloco.outer_optimizer.momentum": 0.9}
   runs = {"plain": {"diloco.overlap": "none"},
           "all": {"diloco.overlap_warmup_rounds": 4},
-          "half": {"diloco.overlap_warmup_rounds": 2},
-          "eager": {}}
+          "half": {"diloco.overlap_warmup_rounds": 2}}
   summaries = {name: train.train_and_evaluate(
       _config(**step, **overrides), str(tmp_path / name))
                for name, overrides in runs.items()}
@@ -305,11 +304,11 @@ def test_warmup_rounds_run_as_diloco_without_overlap(tmp_path):
   np.testing.assert_allclose(losses["all"], losses["plain"], rtol=1e-6)
   # 3 inner steps a round: round 3 (steps 7-9) still starts from the
   # waited-for mean of round 2, and round 4 is the first to start from the
-  # islands' own points; without warm-up that is round 2.
+  # islands' own points (without warm-up round 2 would: its losses would
+  # leave plain DiLoCo's from step 4).
   np.testing.assert_allclose(losses["half"][:9], losses["plain"][:9],
                              rtol=1e-6)
   assert np.max(np.abs(losses["half"][9:] - losses["plain"][9:])) > 1e-4
-  assert np.max(np.abs(losses["half"][3:9] - losses["eager"][3:9])) > 1e-4
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -204,16 +204,37 @@ STAGED = {"model.num_layers": 2, "data.batch_size": 8, "mesh.stage": 2,
           "diloco.error_feedback": True}
 
 
-def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path):
+def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path,
+                                                           monkeypatch):
   """The run equals the staged run with its outer step on the compute
   devices (to float summation order); the outer side holds each stage on
-  its own outer device, about half of x and the outer state on each."""
+  its own outer device, about half of x and the outer state on each, and
+  what the islands send there (their params, anchors) arrives the same
+  way, each stage's part on its stage's outer device."""
   from diloco_jax.run import setup as setup_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.run import start as start_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.parallel import stages as stages_lib  # pylint: disable=g-import-not-at-top
-  _assert_host_equals_device(tmp_path, STAGED)
-  config = _config(**{**STAGED, "diloco.outer_placement": "host"})
   compute, outer_devices = outer_devices_lib.split_devices(jax.devices(), 2)
+  arrived = []  # what the run's outer side moved onto the outer devices
+  real_move = host_outer.move
+
+  def recording_move(tree, shardings):
+    moved = real_move(tree, shardings)
+    leaves = jax.tree.leaves(moved)
+    if leaves and all(leaf.sharding.device_set <= set(outer_devices)
+                      for leaf in leaves):
+      arrived.append(moved)
+    return moved
+
+  monkeypatch.setattr(host_outer, "move", recording_move)
+  _assert_host_equals_device(tmp_path, STAGED)
+  big = [tree for tree in arrived
+         if sum(leaf.nbytes for leaf in jax.tree.leaves(tree)) > 2 ** 16]
+  assert big  # the islands' params and anchors, each round
+  for tree in big:
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+    assert stages_lib.bytes_per_device(tree) <= 0.6 * whole
+  config = _config(**{**STAGED, "diloco.outer_placement": "host"})
   setup = setup_lib.build(validation.validate_config(config, len(compute)),
                           compute, outer_devices)
   setup.islands_side(start_lib.first_start(setup, None).state)

@@ -105,8 +105,11 @@ def _share(tree, layout, stage: int, per_island: bool = False):
 # float32 rounding of values of order 1).
 @pytest.mark.parametrize("overrides", [
     {"diloco.codec": "lowrank", "diloco.outer_optimizer.name": "adam"},
+    # A model whose matrices FSDP splits (the tiny one's stay whole).
     {"diloco.outer_optimizer.name": "sparseloco", "mesh.data": 2,
-     "mesh.fsdp": True}], ids=["lowrank-adam", "sparseloco-fsdp"])
+     "mesh.fsdp": True, "model.d_model": 64, "model.num_heads": 4,
+     "model.head_dim": 16, "model.mlp_dim": 256}],
+                         ids=["lowrank-adam", "sparseloco-fsdp"])
 def test_a_stage_s_send_and_merge_are_the_unpipelined_ones_on_its_share(
     overrides):
   config = _config(**overrides)
@@ -205,7 +208,7 @@ def test_a_stage_s_sync_counts_one_stage_s_bytes():
 # computation as the replicated one (a rounding codec cuts its blocks in
 # the FSDP stripes); the codecs' parts are checked above. The model is
 # large enough for FSDP to split its matrices (the tiny one's stay whole).
-RUN = {"total_steps": 12, "diloco.inner_steps": 4,
+RUN = {"total_steps": 8, "diloco.inner_steps": 4,
        "checkpoint.every_steps": 2, "checkpoint.max_to_keep": 10,
        "model.d_model": 64, "model.num_heads": 4, "model.head_dim": 16,
        "model.mlp_dim": 256}
