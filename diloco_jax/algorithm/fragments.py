@@ -14,7 +14,9 @@ a time: the peak bandwidth is 1/P of DiLoCo's. A sync is two programs:
   becomes alpha * y_{i,p} + (1 - alpha) * x_p (`fragment_alpha`).
 
 With one fragment, tau = 0 and alpha = 0 this is DiLoCo's outer step. The
-host-side order of sends and merges is schedule.py's.
+host-side order of sends and merges is schedule.py's. On pipelined islands
+fragment s is pipeline stage s instead (stage_fragments.py), run with
+these sends and merges on each stage's share.
 """
 
 from typing import Any, NamedTuple, Sequence
