@@ -375,15 +375,15 @@ def build(outer_devices, islands: int, compute_mesh,
   # model on one device.
   mesh = mesh_lib.build_mesh(islands, 1, compute_mesh.shape[mesh_lib.STAGE],
                              outer_devices)
-  sync = island_sync_lib.make_island_sync(
-      mesh, compression, rounding_seed,
-      stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1,
-      reference_per_island=overlap_lib.anchored(overlap))
+  stripes = compute_mesh.shape[mesh_lib.DATA] if fsdp else 1
   if fragments and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
     return stage_fragments.StageFragmentOuter(
         mesh, islands, compute_mesh, outer_opt=outer_opt,
         compression=compression, rounding_seed=rounding_seed,
-        stripes=compute_mesh.shape[mesh_lib.DATA] if fsdp else 1, fsdp=fsdp)
+        stripes=stripes, fsdp=fsdp)
+  sync = island_sync_lib.make_island_sync(
+      mesh, compression, rounding_seed, stripes=stripes,
+      reference_per_island=overlap_lib.anchored(overlap))
   if fragments:
     return FragmentOuter(mesh, islands, compute_mesh,
                          outer_opt=outer_opt, sync=sync,

@@ -138,9 +138,9 @@ class StageFragmentOuter(OuterSide):
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._stages = mesh.shape[mesh_lib.STAGE]
     self._programs = [
-        jax.jit(stage_fragments.make_stage_send(
+        stage_fragments.make_stage_send(
             outer_opt, _stage_sync(mesh, s, compression, rounding_seed,
-                                   stripes), self._stages, s))
+                                   stripes), self._stages, s)
         for s in range(self._stages)]
     self._compiled = None
 
@@ -151,14 +151,10 @@ class StageFragmentOuter(OuterSide):
     compiled = []
     for s, program in enumerate(self._programs):
       parts = outer_parts(outer, s)
-      island_part = stage_part(islands_state.island_params, s)
-      island_part = jax.tree.map(
-          lambda a, s=s: jax.ShapeDtypeStruct(
-              a.shape, a.dtype, sharding=self._on_stage(
-                  s, P(mesh_lib.ISLAND, mesh_lib.STAGE))), island_part)
       compiled.append(jax.jit(
           program, out_shardings=_shardings(parts)).lower(
-              parts, island_part,
+              # The islands' params arrive per stage (_island_trees).
+              parts, stage_part(islands_state.island_params, s),
               jax.ShapeDtypeStruct(weights.shape, weights.dtype,
                                    sharding=self._on_stage(
                                        s, P(mesh_lib.ISLAND))),
