@@ -39,6 +39,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 _WORDS = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "du")
 
 
+def _stored(index, shard):
+  """A shard's tokens as the run reads them (its checksum checked)."""
+  return token_shards.ShardFile(index, shard).read(0, shard.tokens)
+
+
 def _document(rng: random.Random) -> str:
   words = ("".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
            for _ in range(rng.randint(3, 40)))
@@ -155,7 +160,7 @@ def test_text_files_become_shards_of_their_files(tmp_path, spm_model):
              if (number in held) == (split == "validation")]
     expected = np.concatenate([np.append(encoder.encode(texts[name]),
                                          encoder.eos_id) for name in files])
-    stored = np.concatenate([token_shards.open_shard(index, shard)
+    stored = np.concatenate([_stored(index, shard)
                              for shard in index.splits[split]])
     np.testing.assert_array_equal(stored, expected)
     assert sum(shard.documents for shard in index.splits[split]) == len(files)
@@ -207,7 +212,7 @@ def test_a_vocabulary_beyond_uint16_is_prepared_as_uint32(tmp_path):
   index = _prepare(tmp_path / "text", tmp_path / "tokens",
                    corpus="text_files", tokenizer_path=model)
   assert index.dtype_name == "uint32" and index.vocab_size > 2**16
-  stored = np.concatenate([token_shards.open_shard(index, shard)
+  stored = np.concatenate([_stored(index, shard)
                            for split in token_shards.SPLITS
                            for shard in index.splits[split]])
   assert stored.dtype == np.dtype("<u4") and stored.max() >= 2**16
@@ -352,6 +357,20 @@ def _break(kind: str, directory: pathlib.Path) -> None:
     edit_index(lambda content: content["tokenizer"].update(vocab_size=70_000))
   elif kind == "another dtype":
     edit_index(lambda content: content.update(dtype="int8"))
+  elif kind == "shards overwritten, same size":
+    # Ids the model cannot embed, as many as before: once a NaN at step 1.
+    for shard in directory.glob("train-*.bin"):
+      np.full(shard.stat().st_size // 2, 65535, "<u2").tofile(shard)
+  elif kind == "ids beyond the vocabulary":
+    edit_index(lambda content: content["splits"]["train"][1].update(
+        max_id=300))
+  elif kind == "index without checksums":
+    def unchecked(content):
+      content["format"] = token_shards.UNCHECKED_FORMAT
+      for shards in content["splits"].values():
+        for shard in shards:
+          del shard["sha256"], shard["max_id"]
+    edit_index(unchecked)
 
 
 def _other_model(spm_model: str, path: pathlib.Path) -> str:
@@ -378,6 +397,18 @@ _BAD = {
                                    r"\(sha256 \w+, 300 ids\), but config\."
                                    r"data names SentencePiece model "
                                    r"other\.model",
+    "shards overwritten, same size": r"shard .*train-\d+\.bin is not the "
+                                     r"shard prepare wrote: its bytes' sha256 "
+                                     r"is \w+\.\. and its largest id 65535, "
+                                     r"where index\.json says \w+\.\. and "
+                                     r"256 ",
+    "ids beyond the vocabulary": r"shard .*train-00001\.bin holds token id "
+                                 r"300 \(index\.json says\), beyond the 257 "
+                                 r"ids",
+    "index without checksums": r"was written by an older prepare, without "
+                               r"the shards' checksums; add them once with "
+                               r"python -m diloco_jax\.data\.prepare "
+                               r"--verify --output=",
     "unfinished prepare": r"its prepare has not finished \(no index\.json "
                           r"yet\); rerun the same python -m "
                           r"diloco_jax\.data\.prepare command",
@@ -400,7 +431,10 @@ def test_unusable_shards_are_one_line_and_nothing_is_written(
         directory / token_shards.PROGRESS_FILE)
   workdir = tmp_path / "run"
   config = _tiny_tokens(directory, **overrides)
-  with pytest.raises(validation.ConfigError, match=_BAD[kind]) as error:
+  # A shard's content is read at the data's setup (DataError), the rest
+  # checked with the config (ConfigError): both before the workdir.
+  with pytest.raises((validation.ConfigError, errors.DataError),
+                     match=_BAD[kind]) as error:
     train.train_and_evaluate(config, str(workdir))
   assert "\n" not in str(error.value)
   assert not workdir.exists()
@@ -437,3 +471,36 @@ def test_the_command_line_refuses_in_one_line_and_creates_nothing(
       f"error: --output={str(output)!r} holds tokens prepared from other "
       "input or with another tokenizer")
   assert _files(output) == before
+
+
+def test_verify_checks_every_shard_and_adds_checksums_to_an_old_index(
+    tokens_dir, tmp_path):
+  directory = tmp_path / "tokens"
+  directory.mkdir()
+  for entry in tokens_dir.iterdir():
+    (directory / entry.name).write_bytes(entry.read_bytes())
+  written = (directory / token_shards.INDEX_FILE).read_text()
+  _break("index without checksums", directory)
+
+  def verify():
+    return subprocess.run(
+        [sys.executable, "-m", "diloco_jax.data.prepare", "--verify",
+         f"--output={directory}"], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+        text=True, timeout=120, check=False)
+
+  result = verify()
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.startswith("recorded the checksums of ")
+  # The same checksums prepare records: the index is the one it wrote.
+  assert (json.loads((directory / token_shards.INDEX_FILE).read_text())
+          == json.loads(written))
+  shard = directory / "validation-00000.bin"
+  tokens = np.fromfile(shard, "<u2")
+  tokens[3] ^= 1  # one bit
+  tokens.tofile(shard)
+  result = verify()
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"error: --output: shard {shard} is not the shard prepare wrote"), lines

@@ -23,7 +23,8 @@ the island count, which resume adapts to (elastic islands).
 NEVER_ALLOWED = ("mode",)
 
 FREE_FIELDS = ("mesh", "pipeline", "model.attention", "model.remat",
-               "data.microbatches", "checkpoint", "log_every_seconds",
+               "data.microbatches", "data.read_timeout_s",
+               "checkpoint", "log_every_seconds",
                "nonfinite", "max_rollbacks", "resume", "diloco.islands",
                "diloco.outer_placement", "network", "eval.island_mean",
                "eval.every_rounds")

@@ -199,6 +199,10 @@ def _data() -> Section:
       "microbatches": 1,
       "validation_fraction": 0.05,
       "seed": 0,
+      # A streamed or prepared corpus that gives no batch for this long
+      # (a stalled file system, a FIFO) ends the run in one line naming
+      # the files it reads; a stop signal ends the wait at once.
+      "read_timeout_s": 300.0,
       "synthetic": Section({
           "vocab_size": 64,
           "concentration": 0.1,

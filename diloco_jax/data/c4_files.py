@@ -13,7 +13,9 @@ from collections.abc import Iterator, Sequence
 import contextlib
 import gzip
 import json
+import os
 import pathlib
+import stat
 import zlib
 
 from diloco_jax.data import errors
@@ -117,6 +119,9 @@ def _numbered_lines(path: pathlib.Path) -> Iterator[tuple[int, str]]:
   """
   line_number = -1
   try:
+    if not stat.S_ISREG(os.stat(path).st_mode):
+      # A FIFO or device would block the reader, perhaps for ever.
+      raise errors.DataError(f"{path}: not a regular file")
     with _open_text(path) as lines:
       for line_number, line in enumerate(lines):
         yield line_number, line

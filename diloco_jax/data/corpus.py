@@ -199,7 +199,8 @@ def _text_files_documents(data_config) -> _Documents:
   name = f"text_files ({data_config.path})"
   if len(relative_paths) == 1:
     return _Documents(
-        train=list(embedded.read_documents([root / relative_paths[0]])),
+        train=list(embedded.read_documents([root / relative_paths[0]],
+                                           skip_unreadable=False)),
         validation=None, name=name)
   validation_indices = file_split.select_split(
       relative_paths, "validation", data_config.validation_fraction)
@@ -211,8 +212,8 @@ def _text_files_documents(data_config) -> _Documents:
   return _Documents(
       train=list(embedded.read_documents(
           [root / path for path, held_out in zip(relative_paths, is_validation)
-           if not held_out])),
+           if not held_out], skip_unreadable=False)),
       validation=list(embedded.read_documents(
           [root / path for path, held_out in zip(relative_paths, is_validation)
-           if held_out])),
+           if held_out], skip_unreadable=False)),
       name=name)

@@ -8,6 +8,7 @@ import os
 import pathlib
 import sysconfig
 
+from diloco_jax.data import errors
 from diloco_jax.data import file_split
 
 # Third-party packages differ between machines; leaving them out keeps the
@@ -49,16 +50,24 @@ def stdlib_source_files(split: str,
   return [root / relative_paths[index] for index in selected]
 
 
-def read_documents(paths: Iterable[pathlib.Path]) -> Iterator[bytes]:
+def read_documents(paths: Iterable[pathlib.Path],
+                   skip_unreadable: bool = True) -> Iterator[bytes]:
   """Yields the contents of each readable, non-empty file, in order.
 
-  Unreadable files are skipped rather than failing a run; empty files (many
-  `__init__.py`) are skipped because they would only add stray EOS tokens.
+  Empty files (many `__init__.py`) are skipped because they would only add
+  stray EOS tokens. A file that cannot be read is skipped too (the stdlib
+  corpus: an interpreter's odd file does not fail a run), or, with
+  skip_unreadable=False (a corpus the user names, whose every file counts),
+  is a DataError naming it, in one line: one made unreadable, or removed,
+  since the files were listed.
   """
   for path in paths:
     try:
       content = pathlib.Path(path).read_bytes()
-    except OSError:
-      continue
+    except OSError as error:
+      if skip_unreadable:
+        continue
+      raise errors.DataError(
+          f"cannot read {path}: {error.strerror or error}") from None
     if content:
       yield content

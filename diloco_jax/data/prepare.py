@@ -24,12 +24,16 @@ Resuming: each shard is written to NAME.part and renamed when whole, and
 the finished shards are listed in progress.json as they finish; index.json
 is written last, atomically. A prepare killed at any point and rerun with
 the same flags redoes only the shards it had not finished, and a run
-refuses the directory until index.json is there.
+refuses the directory until index.json is there. `--verify --output=DIR`
+reads a prepared directory's shards and checks them against its index
+(token_shards.verify). Its workers end with it,
+however it ends (even SIGKILLed alone): none is left writing a shard under
+the rerun's. A write that fails (a full disk, --output removed) stops it in
+one `error:` line naming the file, the finished shards kept.
 """
 from collections.abc import Iterator
 import dataclasses
 import json
-import multiprocessing
 import os
 import pathlib
 import sys
@@ -42,6 +46,7 @@ from diloco_jax.data import c4_files
 from diloco_jax.data import embedded
 from diloco_jax.data import errors
 from diloco_jax.data import prepare_plan
+from diloco_jax.data import prepare_workers
 from diloco_jax.data import tfds_documents
 from diloco_jax.data import token_shards
 
@@ -73,8 +78,8 @@ def _documents(reader: tuple) -> Iterator[str | bytes]:
                                                          split))
     for _, text in records.read(shard):
       yield text
-  else:
-    yield from embedded.read_documents(reader[1])
+  else:  # every file counts: one unreadable since the plan is a DataError
+    yield from embedded.read_documents(reader[1], skip_unreadable=False)
 
 
 def tokenize_shard(task: prepare_plan.Task, tokenizer_path: str,
@@ -88,6 +93,13 @@ def tokenize_shard(task: prepare_plan.Task, tokenizer_path: str,
   target = pathlib.Path(output) / task.file
   part = target.with_name(target.name + ".part")
   tokens = documents = 0
+  digest = token_shards.ShardDigest()  # what a run checks the file against
+
+  def write(pending: list) -> None:
+    ids = np.concatenate(pending).astype(dtype, copy=False)
+    f.write(ids.tobytes())
+    digest.update(ids)
+
   with open(part, "wb") as f:
     pending, pending_tokens = [], 0
     for text in _documents(task.reader):
@@ -96,19 +108,56 @@ def tokenize_shard(task: prepare_plan.Task, tokenizer_path: str,
       pending_tokens += ids.size + 1
       documents += 1
       if pending_tokens >= _WRITE_TOKENS:
-        f.write(np.concatenate(pending).astype(dtype, copy=False).tobytes())
+        write(pending)
         tokens, pending, pending_tokens = tokens + pending_tokens, [], 0
     if pending:
-      f.write(np.concatenate(pending).astype(dtype, copy=False).tobytes())
+      write(pending)
       tokens += pending_tokens
     f.flush()
     os.fsync(f.fileno())  # the name must never point at a partial file
   os.replace(part, target)
-  return token_shards.Shard(task.file, tokens, documents, task.source)
+  return token_shards.Shard(task.file, tokens, documents, task.source,
+                            digest.sha256, digest.max_id)
 
 
 def _tokenize(arguments: tuple) -> token_shards.Shard:
-  return tokenize_shard(*arguments)
+  """tokenize_shard, its OSErrors in one line (WriteError; DataError for
+  one reading elsewhere than --output)."""
+  task, output = arguments[0], pathlib.Path(arguments[3])
+  try:
+    return tokenize_shard(*arguments)
+  except OSError as error:
+    if error.filename and not _within(error.filename, output):
+      raise errors.DataError(f"cannot read {error.filename}: "
+                             f"{error.strerror or error}") from None
+    raise _write_error(output, error, output / f"{task.file}.part") from None
+
+
+class WriteError(errors.DataError):
+  """--output could not be written (a full disk, the directory removed):
+  one line naming the path. The finished shards are kept, and the same
+  command continues them."""
+
+
+def _write_error(output: pathlib.Path, error: OSError,
+                path: pathlib.Path | None = None) -> WriteError:
+  """WriteError for `error`, met writing in `output`: naming the file
+  (error.filename, else `path`, else the directory)."""
+  where = error.filename or path
+  where = f"in {output}" if where is None else str(where)
+  reason = error.strerror or str(error)
+  if not output.is_dir():
+    return WriteError(f"cannot write {where}: {reason} (--output="
+                      f"{str(output)!r} was removed); rerun the same command "
+                      "to prepare it again")
+  return WriteError(f"cannot write {where}: {reason}; the finished shards "
+                    f"are kept in {output}; rerun the same command to make "
+                    "the others")
+
+
+def _within(path, directory: pathlib.Path) -> bool:
+  return os.path.abspath(path).startswith(
+      os.path.join(os.path.abspath(directory), ""))
 
 
 # The prepare: checks, resume, the pool, the index.
@@ -176,6 +225,9 @@ def _check_writable(output: pathlib.Path) -> None:
   existing = output
   while not existing.exists() and existing != existing.parent:
     existing = existing.parent
+  if not existing.is_dir():
+    raise errors.DataError(f"--output={str(output)!r}: {str(existing)!r} is "
+                           "a file, not a directory")
   if not os.access(existing, os.W_OK):
     raise errors.DataError(f"--output={str(output)!r}: cannot write in "
                            f"{str(existing)!r}")
@@ -209,8 +261,9 @@ def prepare(plan: prepare_plan.Plan, processes: int = 1
   Raises:
     DataError: in one line, before anything is written, when plan.output
       holds anything but this plan's own prepare, or cannot be written;
-      later, an input shard that turns out unreadable (finished shards are
-      kept for the rerun).
+      later, an input shard that turns out unreadable, or (WriteError) a
+      write that fails: a full disk, plan.output removed (finished shards
+      are kept for the rerun).
   """
   if processes < 1:
     raise errors.DataError(f"--processes={processes} must be >= 1")
@@ -220,11 +273,25 @@ def prepare(plan: prepare_plan.Plan, processes: int = 1
     logging.info("%s is prepared already", plan.output)
     return token_shards.read_index(str(plan.output), field="--output")
   _check_writable(plan.output)
-  plan.output.mkdir(parents=True, exist_ok=True)
+  try:
+    plan.output.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    raise errors.DataError(f"--output={str(plan.output)!r}: cannot make it "
+                           f"({error.strerror or error})") from None
+  try:
+    return _make(plan, processes, finished)
+  except OSError as error:  # a full disk, --output removed: one line
+    raise _write_error(plan.output, error) from None
+
+
+def _make(plan: prepare_plan.Plan, processes: int, finished: dict
+          ) -> token_shards.TokenIndex:
+  """prepare's writes: progress.json, the shards not `finished`, the
+  index."""
   progress_path = plan.output / token_shards.PROGRESS_FILE
 
   def save_progress():
-    token_shards.write_json_atomically(progress_path, {
+    _write_json(plan.output, progress_path, {
         "plan": plan.identity(),
         "done": {file: dataclasses.asdict(shard)
                  for file, shard in finished.items()}})
@@ -257,10 +324,20 @@ def prepare(plan: prepare_plan.Plan, processes: int = 1
       splits={split: tuple(finished[task.file] for task in plan.tasks
                            if task.split == split)
               for split in token_shards.SPLITS})
-  token_shards.write_json_atomically(plan.output / token_shards.INDEX_FILE,
-                                     token_shards.to_json(index))
+  _write_json(plan.output, plan.output / token_shards.INDEX_FILE,
+              token_shards.to_json(index))
   progress_path.unlink()
   return index
+
+
+def _write_json(output: pathlib.Path, path: pathlib.Path,
+                content: dict) -> None:
+  """write_json_atomically, a failed write (no file name of its own: a
+  full disk) named by `path`."""
+  try:
+    token_shards.write_json_atomically(path, content)
+  except OSError as error:
+    raise _write_error(output, error, path) from None
 
 
 class _NoPool:
@@ -278,9 +355,25 @@ class _NoPool:
 def _pool(processes: int):
   if processes == 1:
     return _NoPool()
-  # spawn, not fork: the caller may hold threads (JAX's, TFDS's) that a
-  # forked child would inherit mid-lock.
-  return multiprocessing.get_context("spawn").Pool(processes)
+  return prepare_workers.Workers(processes)
+
+
+def _verify_command(output: str) -> None:
+  """--verify: every shard of `output` read and checked, in one line."""
+  started = time.perf_counter()
+  try:
+    index = token_shards.read_index(output, field="--output", unchecked=True)
+    old = not all(shard.sha256 for shards in index.splits.values()
+                  for shard in shards)
+    index = token_shards.verify(index)
+  except errors.DataError as error:
+    sys.exit(f"error: {error}")
+  gigabytes = sum(shard.tokens for shards in index.splits.values()
+                  for shard in shards) * index.dtype.itemsize / 1e9
+  print(f"{'recorded the checksums of' if old else 'verified'} "
+        f"{sum(len(shards) for shards in index.splits.values())} shards "
+        f"({gigabytes:.2f} GB) in {index.directory} in "
+        f"{time.perf_counter() - started:.1f} s")
 
 
 def main() -> None:
@@ -293,8 +386,8 @@ def main() -> None:
       f"{' or '.join(prepare_plan.CORPORA)}.")
   path = flags.DEFINE_string(
       "path", None, "C4 JSON-lines shards (a directory or glob), the TFDS "
-      "data_dir with --tfds_name, or text files (as config.data.path).",
-      required=True)
+      "data_dir with --tfds_name, or text files (as config.data.path); "
+      "required unless --verify.")
   output = flags.DEFINE_string(
       "output", None, "The directory of token shards to write (new or "
       "empty, or this prepare's own to resume it).", required=True)
@@ -310,13 +403,27 @@ def main() -> None:
   processes = flags.DEFINE_integer(
       "processes", len(os.sched_getaffinity(0)),
       "Worker processes, one shard each at a time (default: every CPU).")
+  verify = flags.DEFINE_bool(
+      "verify", False, "Read every shard of the prepared --output and check "
+      "it against its index (sha256, largest id, size); an index an older "
+      "prepare wrote without checksums gets them. Writes no shard.")
 
   def run(argv):
     del argv  # flags only
+    if verify.value:
+      _verify_command(output.value)
+      return
+    if not path.value:
+      sys.exit("error: --path is required (the input to prepare), unless "
+               "--verify checks a prepared --output")
     try:
-      plan = prepare_plan.make_plan(
-          corpus.value, path.value, output.value, tokenizer_path.value,
-          tfds_name.value, validation_fraction.value)
+      try:
+        plan = prepare_plan.make_plan(
+            corpus.value, path.value, output.value, tokenizer_path.value,
+            tfds_name.value, validation_fraction.value)
+      except OSError as error:  # an input removed while the plan read it
+        raise errors.DataError(f"cannot read {error.filename}: "
+                               f"{error.strerror or error}") from None
       index = prepare(plan, processes.value)
     except errors.DataError as error:
       sys.exit(f"error: {error}")
@@ -333,7 +440,21 @@ def main() -> None:
                      f"--config.data.tokenizer_path={tokenizer_path.value}")
     print(flags_line)
 
-  app.run(run)
+  def parse(argv):
+    try:
+      return app.parse_flags_with_usage(argv)
+    except SystemExit as stop:
+      # absl exits 1 after printing the help it was asked for: no error.
+      if stop.code == 1 and any(arg.startswith("-") and
+                                arg.lstrip("-") in _HELP_FLAGS
+                                for arg in argv[1:]):
+        sys.exit(0)
+      raise
+
+  app.run(run, flags_parser=parse)
+
+
+_HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")
 
 
 if __name__ == "__main__":

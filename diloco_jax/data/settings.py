@@ -58,6 +58,7 @@ class DataSettings:
   seed: int
   synthetic: SyntheticSettings
   vocab_size: int
+  read_timeout_s: float = 300.0
 
   @property
   def streamed(self) -> bool:
@@ -86,7 +87,8 @@ def from_config(data_config) -> DataSettings:
           field.name: synthetic[field.name]
           for field in dataclasses.fields(SyntheticSettings)}),
       vocab_size=(synthetic.vocab_size + 1 if tokenizer is None  # + EOS
-                  else tokenizer.vocab_size))
+                  else tokenizer.vocab_size),
+      read_timeout_s=float(data_config.get("read_timeout_s", 300.0)))
 
 
 def of(data) -> DataSettings:
@@ -115,6 +117,11 @@ def _check(data_config) -> tokenizer_lib.Tokenizer | None:
   if not 0 < fraction < 1:
     raise errors.DataError(f"config.data.validation_fraction must be in "
                            f"(0, 1), got {fraction!r}")
+  timeout = data_config.get("read_timeout_s", 300.0)
+  if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+      or not timeout > 0):
+    raise errors.DataError(f"config.data.read_timeout_s must be a number of "
+                           f"seconds > 0, got {timeout!r}")
   split = _island_split(data_config)
   if split not in ISLAND_SPLITS:
     raise errors.DataError(

@@ -82,6 +82,7 @@ class _IslandStream:
     self._seed = seed
     self._tokenizer = tokenizer
     self._keep = keep
+    self.reading_shard = int(self._shards[0]) if self._shards.size else -1
     self.restore({key: 0 for key in _STATE_KEYS})
 
   def _documents_from(self, epoch: int, shard_position: int, offset: int):
@@ -91,7 +92,8 @@ class _IslandStream:
       order = shard_order(self._shards, self._seed, self._island,
                           epoch)
       for position in range(shard_position, order.size):
-        for doc_offset, text in self._documents.read(int(order[position]),
+        self.reading_shard = int(order[position])  # for a stall's message
+        for doc_offset, text in self._documents.read(self.reading_shard,
                                                      offset):
           if self._keep is not None and not self._keep(text):
             continue
@@ -180,6 +182,7 @@ class StreamingIslandBatches:
       owned = [range(documents.num_shards)] * num_islands
       keeps = [_cluster_filter(clusters, island)
                for island in range(num_islands)]
+    self._documents = documents
     self._held = range(num_islands) if islands is None else islands
     self._islands = [
         _IslandStream(documents, owned[island], island, seed, tokenizer,
@@ -200,6 +203,15 @@ class StreamingIslandBatches:
   def state(self) -> dict:
     """JSON-serializable: {"islands": [position of each island held]}."""
     return {"islands": [island.state() for island in self._islands]}
+
+  def reading(self) -> str:
+    """The shard each island held reads now, for messages."""
+    paths = getattr(self._documents, "paths", None)
+    return "; ".join(
+        f"island {number}: "
+        + (str(paths[island.reading_shard]) if paths is not None
+           else f"shard {island.reading_shard}")
+        for number, island in zip(self._held, self._islands))
 
   def restore(self, state: dict) -> None:
     """Continues exactly where the source that returned `state` was.

@@ -17,8 +17,11 @@ streamed C4 corpus keeps each island's read position (see
 `sharded_batches`), and a pre-tokenized corpus ("tokens") each island's
 position in its memory-mapped shards (see `token_batches`).
 
-The streamed corpus is tokenized as it is read, in a thread that keeps a
-few batches ready (`producer.ReadAhead`); in-memory batches take
+The streamed corpus is tokenized as it is read, and a prepared one
+checks each shard's checksum as it first opens it, in a thread that keeps
+a few batches ready (`producer.ReadAhead`; a read that stalls for
+config.data.read_timeout_s is one error naming its files, and
+`interrupt_waits` lets a stop end the wait); in-memory batches take
 microseconds and are built when asked for.
 
 `seed` orders the batches and seeds the k-means of clustered islands;
@@ -236,7 +239,7 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
                            eos_id=tokenizer.eos_id, island_split=split)
   _read_first_batch(source)
   # Tokenizing on the fly costs host time per batch: a thread reads ahead.
-  return producer.ReadAhead(source)
+  return producer.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
 
 
 def _token_source(data_config, num_islands: int, batch_size: int, seed: int,
@@ -250,7 +253,18 @@ def _token_source(data_config, num_islands: int, batch_size: int, seed: int,
   source.info = SourceInfo(name=f"tokens ({data_config.path}: {index.source})",
                            vocab_size=index.vocab_size, eos_id=index.eos_id,
                            island_split=data_config.island_split)
-  return source
+  # Each island's first shard is checked whole here, before the workdir.
+  _read_first_batch(source)
+  # The checksums of the shards opened later are read in the thread.
+  return producer.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
+
+
+def interrupt_waits(source: BatchSource, predicate) -> None:
+  """Makes a next_batch of `source` that waits for a read end at once
+  (producer.WaitInterrupted) when `predicate()` turns true; in-memory
+  sources never wait."""
+  if isinstance(source, producer.ReadAhead):
+    source.interrupt_when(predicate)
 
 
 def close(source: BatchSource) -> None:

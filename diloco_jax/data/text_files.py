@@ -85,29 +85,46 @@ def not_text_reason(head: bytes) -> str | None:
 
 def check_text(root: pathlib.Path, relative_paths: list[str],
                path: str) -> None:
-  """Raises DataError naming the first of the files that is not text.
+  """Raises DataError naming the first of the files that cannot be read,
+  or else the first that is not text.
 
-  Reads the first 8 KiB of each; a file that cannot be read is left to
-  the reader.
+  Reads the first 8 KiB of each. A file that cannot be read (its
+  permissions, or removed since it was listed) is refused too: every file
+  the path names is a document of the corpus, and one dropped silently
+  would change the corpus unseen.
 
   Args:
     root, relative_paths: the files, as resolve_text_files gives them.
     path: config.data.path, for the message.
   """
-  refused = []
+  refused, unreadable = [], []
   for relative in relative_paths:
     try:
       with open(root / relative, "rb") as f:
         reason = not_text_reason(f.read(_PROBE_BYTES))
-    except OSError:
+    except OSError as error:
+      unreadable.append((relative, error.strerror or str(error)))
       continue
     if reason:
       refused.append((relative, reason))
+  if unreadable:
+    raise _refusal(
+        path, root, unreadable, len(relative_paths), "cannot read {file} "
+        "({reason}){more}; corpus 'text_files' reads every file the path "
+        "names: make it readable, or name only readable files")
   if refused:
-    relative, reason = refused[0]
-    more = (f" (and {len(refused) - 1} more of the {len(relative_paths)} "
-            "files)" if len(refused) > 1 else "")
-    raise errors.DataError(
-        f"config.data.path={path!r}: {root / relative} is not UTF-8 text "
-        f"({reason}){more}; corpus 'text_files' reads plain text files: "
+    raise _refusal(
+        path, root, refused, len(relative_paths), "{file} is not UTF-8 "
+        "text ({reason}){more}; corpus 'text_files' reads plain text files: "
         "give a file, directory or glob of text only (e.g. DIR/**/*.txt)")
+
+
+def _refusal(path: str, root: pathlib.Path, files: list, total: int,
+             template: str) -> errors.DataError:
+  """One line naming the first of `files` ((relative path, reason)) and
+  counting the others."""
+  relative, reason = files[0]
+  more = (f" (and {len(files) - 1} more of the {total} files)"
+          if len(files) > 1 else "")
+  return errors.DataError(f"config.data.path={path!r}: " + template.format(
+      file=root / relative, reason=reason, more=more))

@@ -1,4 +1,4 @@
-"""Island batches read from pre-tokenized shards through memory maps.
+"""Island batches read from pre-tokenized shards.
 
 The "tokens" corpus: a directory `python -m diloco_jax.data.prepare` wrote
 (token_shards). Islands own its train shards as they own streamed C4
@@ -14,11 +14,15 @@ Resuming: an island's position is three integers, (epoch, shard_position,
 token_offset): restoring recomputes the epoch's shard order and maps one
 shard, whatever the position.
 
-Only the shard an island is reading is mapped (a corpus of a thousand
+Only the shard an island is reading is open (a corpus of a thousand
 shards would otherwise hold a thousand file descriptors), and a batch row
-is copied from it in one slice, or a few where it crosses shards,
-converted to int32 on the way: the pages come from the OS's file cache,
-nothing of the corpus is loaded into the process.
+is read from it by position in one read, or a few where it crosses
+shards, converted to int32 on the way: the pages come from the OS's file
+cache, nothing of the corpus is loaded into the process. The first time
+this source opens a shard it reads it whole to check its checksum
+(token_shards.ShardFile), and every batch's ids are checked against the
+vocabulary (a max over the batch: microseconds), so no id the model
+cannot embed ever reaches it.
 """
 import numpy as np
 
@@ -33,8 +37,9 @@ class _TokenStream:
   """One island's endless token stream over its shards, and its position."""
 
   def __init__(self, index: token_shards.TokenIndex, owned: range,
-               island: int, seed: int):
+               island: int, seed: int, verified: set):
     self._index = index
+    self._verified = verified  # identities of the shards checked already
     self._shards = index.splits["train"]
     self._owned = np.asarray(owned, dtype=np.int64)
     self._island = island
@@ -44,6 +49,7 @@ class _TokenStream:
       raise errors.DataError(
           f"config.data.path: island {island}'s {len(owned)} shard(s) of "
           f"{index.directory} hold no tokens")
+    self._file = None
     self.restore({key: 0 for key in _STATE_KEYS})
 
   def _shard(self, position: int) -> token_shards.Shard:
@@ -57,18 +63,35 @@ class _TokenStream:
       if self._offset == shard.tokens:
         self._next_shard()
         continue
-      if self._tokens is None:
-        self._tokens = token_shards.open_shard(self._index, shard)
+      if self._file is None:
+        self._file = self._open(shard)
       count = min(shard.tokens - self._offset, out.size - filled)
-      out[filled:filled + count] = self._tokens[self._offset:
-                                                self._offset + count]
+      out[filled:filled + count] = self._file.read(self._offset, count)
       filled += count
       self._offset += count
+
+  def _open(self, shard: token_shards.Shard) -> token_shards.ShardFile:
+    """The shard, its content checked the first time this source opens
+    it (again if the file changed since: another inode, size or mtime)."""
+    shard_file = token_shards.ShardFile(self._index, shard, verify=False)
+    if shard_file.identity not in self._verified:
+      shard_file.check_content()
+      self._verified.add(shard_file.identity)
+    return shard_file
+
+  def reading(self) -> str:
+    """The shard the stream reads now, for messages."""
+    return str(self._index.directory / self._shard(self._position).file)
+
+  def _close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
 
   def _next_shard(self) -> None:
     self._position += 1
     self._offset = 0
-    self._tokens = None
+    self._close()
     if self._position == self._owned.size:
       self._epoch, self._position = self._epoch + 1, 0
       self._order = sharded_batches.shard_order(self._owned, self._seed,
@@ -104,7 +127,7 @@ class _TokenStream:
           f"data state token_offset {values['token_offset']} is beyond the "
           f"{tokens} tokens of island {self._island}'s shard")
     self._offset = values["token_offset"]
-    self._tokens = None
+    self._close()
 
 
 class TokenIslandBatches:
@@ -126,9 +149,12 @@ class TokenIslandBatches:
     owned = sharded_batches.iid_shards(len(index.splits["train"]),
                                        num_islands)
     self._num_islands = num_islands
+    self._vocab_size = index.vocab_size
     self._held = range(num_islands) if islands is None else islands
     self._row_shape = (batch_size, sequence_length + 1)
-    self._islands = [_TokenStream(index, owned[island], island, seed)
+    verified = set()
+    self._islands = [_TokenStream(index, owned[island], island, seed,
+                                  verified)
                      for island in self._held]
 
   def next_batch(self) -> np.ndarray:
@@ -136,7 +162,20 @@ class TokenIslandBatches:
     batch = np.empty((len(self._islands), *self._row_shape), np.int32)
     for island, rows in zip(self._islands, batch):
       island.take_into(rows.reshape(-1))  # a view: rows is contiguous
+      # The checksum vouches for a shard as it was opened; this catches
+      # bytes changed under the run since, before the model sees them.
+      largest = int(rows.max())
+      if largest >= self._vocab_size:
+        raise errors.DataError(
+            f"config.data.path: shard {island.reading()} gave token id "
+            f"{largest}, beyond the tokenizer's {self._vocab_size} ids "
+            "(changed while the run read it?)")
     return batch
+
+  def reading(self) -> str:
+    """The shard each island held reads now, for messages."""
+    return "; ".join(f"island {number}: {island.reading()}"
+                     for number, island in zip(self._held, self._islands))
 
   def state(self) -> dict:
     """JSON-serializable: {"islands": [position of each island held]}."""
@@ -169,7 +208,9 @@ def eval_sequences(index: token_shards.TokenIndex, sequence_length: int,
   filled = 0
   for shard in index.splits["validation"]:
     count = min(shard.tokens, out.size - filled)
-    out[filled:filled + count] = token_shards.open_shard(index, shard)[:count]
+    shard_file = token_shards.ShardFile(index, shard)
+    out[filled:filled + count] = shard_file.read(0, count)
+    shard_file.close()
     filled += count
     if filled == out.size:
       break

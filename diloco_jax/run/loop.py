@@ -22,6 +22,9 @@ from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.data import errors as data_errors
+from diloco_jax.data import producer
+from diloco_jax.data import sources
 from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
 from diloco_jax.run import overlap_watch
@@ -66,18 +69,28 @@ class Finished:
 class BatchFeed:
   """The training batches, each placed on the devices a step ahead.
 
+  A wait for a batch ends early when a stop is requested (the batch is
+  then not taken: the loop stops first), and a source that fails while
+  the next batch is prepared (a DataError: a stalled read, a file gone or
+  changed) keeps the error in `failure` until the step in flight is done,
+  so the loop can save that step before it raises it.
+
   Attributes:
     position: the data streams' state after the last batch taken (what a
       checkpoint saves).
     waited_s: seconds the loop spent in the source's next_batch since
       `start_clock` (waiting for data, not computing).
+    failure: the DataError that preparing the next batch raised, if any.
   """
 
-  def __init__(self, setup: setup_lib.RunSetup):
+  def __init__(self, setup: setup_lib.RunSetup, signals):
     self._setup = setup
     self.waited_s = 0.0
-    self._next = self._place_next()
+    self.failure = None
     self.position = setup.data.batches.state()
+    sources.interrupt_waits(setup.data.batches, lambda: signals.requested)
+    self._next = None
+    self.prepare()
 
   def start_clock(self) -> None:
     """Counts waits from now: the first batch was read while the
@@ -86,13 +99,22 @@ class BatchFeed:
 
   def _place_next(self) -> jax.Array:
     start = time.perf_counter()
-    batch = self._setup.data.batches.next_batch()
-    self.waited_s += time.perf_counter() - start
+    try:
+      batch = self._setup.data.batches.next_batch()
+    finally:
+      self.waited_s += time.perf_counter() - start
     return self._setup.place_batch(batch)
 
   def take(self) -> jax.Array:
     """The prepared batch (or, when it went to a step rolled back, the
-    stream's next)."""
+    stream's next).
+
+    Raises:
+      producer.WaitInterrupted: a stop was requested while it waited.
+      DataError: the source failed.
+    """
+    if self.failure is not None:
+      raise self.failure
     batch = self._next if self._next is not None else self._place_next()
     self._next = None
     self.position = self._setup.data.batches.state()
@@ -100,7 +122,12 @@ class BatchFeed:
 
   def prepare(self) -> None:
     """Places the next batch while the device computes."""
-    self._next = self._place_next()
+    try:
+      self._next = self._place_next()
+    except producer.WaitInterrupted:
+      self._next = None  # the loop stops before it needs one
+    except data_errors.DataError as error:
+      self._next, self.failure = None, error
 
 
 class TrainingLoop:
@@ -146,7 +173,7 @@ class TrainingLoop:
     self.saved_step = start.step if start.restored else None
     self._eval_arrays = [placing.place(b, setup.eval_shape.sharding)
                          for b in setup.data.eval_set]
-    self._batches = BatchFeed(setup)
+    self._batches = BatchFeed(setup, signals)
     self._eval_loss = float("nan")
     self._island_mean_loss = None
     self._startup_s = None
@@ -169,12 +196,16 @@ class TrainingLoop:
     while step < self._config.total_steps:
       if self._records.stop_requested():
         self._stop(step)
+      if self._batches.failure is not None:
+        self._stop_on_data_error(step, self._batches.failure)
       step += 1
       try:
         self._take_step(step)
       except guards.NonFiniteError as error:
         self._records.drop_pending()
         step = self._roll_back(error, step)
+      except producer.WaitInterrupted:  # waiting for this step's batch
+        self._stop(step - 1)
     self._records.finish_pending()
     if math.isnan(self._eval_loss):  # resumed from the final checkpoint
       self._eval_loss = self._mean_eval_loss(settled=True)
@@ -311,12 +342,27 @@ class TrainingLoop:
 
   def _stop(self, step: int) -> None:
     """Saves `step` if it can and raises StopRequested."""
+    diverged = self._save_before_stopping(step)
+    raise recovery.stop(step, self._signals, self.saved_step, diverged)
+
+  def _stop_on_data_error(self, step: int, error: Exception) -> None:
+    """Saves `step` if it can and raises the source's DataError, saying
+    where a rerun resumes."""
+    self._save_before_stopping(step)
+    resumes = (f"a rerun resumes from step {self.saved_step}"
+               if self.saved_step else "a rerun starts over")
+    raise data_errors.DataError(
+        f"{error} (stopped after step {step}; {resumes})") from error
+
+  def _save_before_stopping(self, step: int) -> set:
+    """Saves `step` unless it is saved, diverged or not a step of this
+    run, and waits for the checkpoint; returns the diverged islands."""
     self._records.finish_pending()
     diverged = self._records.diverged_this_round
     if step > self._start_step and self.saved_step != step and not diverged:
       self.save(step)
     self._checkpointer.wait()
-    raise recovery.stop(step, self._signals, self.saved_step, diverged)
+    return diverged
 
   def _roll_back(self, error: guards.NonFiniteError, step: int) -> int:
     """Goes on from the last good state (recovery.rollback_start); returns
