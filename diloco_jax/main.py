@@ -13,6 +13,7 @@ _LAUNCH_TIME = time.time()  # first thing: startup_s counts from here
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import sys
+import threading
 
 from absl import app
 from absl import flags
@@ -99,10 +100,57 @@ def _drop_closed_loop_callbacks(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+class _LogLines:
+  """The log's filter: an error exit prints its one line and nothing else.
+
+  Lines are held back until the run has started writing in its workdir
+  (train_and_evaluate's `started`): a run refused before then (a bad
+  config or corpus, a workdir in use, a disk full from the start) prints
+  only its error, and one that starts prints them then, in order.
+  Dropped at any time: what quiet_logs.QuietLibraries drops, orbax's
+  warnings and errors and asyncio's of orbax's tasks ("Task exception was
+  never retrieved", with a traceback): of orbax's internals, or of a
+  failed write, which reaches the run as an exception and ends it in one
+  line naming the path (printed first, from orbax's threads, they would
+  come before that line); and JAX's note that it found no TPU.
+  """
+
+  def __init__(self):
+    self._quiet = quiet_logs.QuietLibraries()
+    self._lock = threading.Lock()
+    self._held = []  # None once released
+
+  def filter(self, record) -> bool:
+    if not self._quiet.filter(record):
+      return False
+    orbax = f"{os.sep}orbax{os.sep}"
+    if orbax in record.pathname or (
+        record.name == "asyncio" and orbax in record.getMessage()) or (
+            record.name == "jax._src.xla_bridge" and record.levelno <= 20
+            and record.getMessage().startswith(
+                "Unable to initialize backend")):
+      return False
+    with self._lock:
+      if self._held is None:
+        return True
+      self._held.append(record)
+      return False
+
+  def release(self) -> None:
+    """Prints the lines held back; from now on lines print at once."""
+    with self._lock:
+      held, self._held = self._held, None
+    for record in held or ():
+      logging.get_absl_handler().handle(record)
+
+
+_LOG_LINES = _LogLines()
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with each mistake reported in one line: an
   unknown config field (with the nearest one), a bad value, a config file
-  that does not load."""
+  that does not load, an argument that is not a flag."""
   try:
     remaining = flags.FLAGS(argv)
     _CONFIG.value.keys()  # a config file that failed to load raises here
@@ -112,6 +160,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     # pylint: disable-next=g-import-not-at-top
     from diloco_jax.config import flag_errors
     _exit(2, "error: " + flag_errors.describe(e, argv))
+  if len(remaining) > 1:  # absl would print its whole help first
+    _exit(2, f"error: unexpected arguments {remaining[1:]}: every setting "
+          "is a flag (--workdir=DIR, --config.FIELD=VALUE)")
   return remaining
 
 
@@ -133,7 +184,7 @@ def _exit(code: int, message: str, failed: bool = True) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.get_absl_handler().addFilter(quiet_logs.QuietLibraries())
+  logging.get_absl_handler().addFilter(_LOG_LINES)
   sys.unraisablehook = _drop_closed_loop_callbacks
   config = _CONFIG.value
   _configure_devices(config)
@@ -154,7 +205,8 @@ def main(argv):
     # not bind what the flags change (config/outer_choice.py).
     train.train_and_evaluate(
         config, _WORKDIR.value, launch_time=_LAUNCH_TIME,
-        command_line=command_line.from_flag(flags.FLAGS[_CONFIG.name]))
+        command_line=command_line.from_flag(flags.FLAGS[_CONFIG.name]),
+        started=_LOG_LINES.release)
   except stops.StopRequested as e:
     logging.warning("%s", e)
     _exit(e.exit_code, str(e), failed=False)
@@ -168,14 +220,17 @@ def main(argv):
           checkpointing.UnreadableCheckpointsError, data_errors.DataError,
           guards.NonFiniteError, files.StorageError,
           files.UnsafeFileError) as e:
-    # What the user can fix, in one line and last: no traceback.
-    logging.error("%s", e)
+    # What the user can fix, in one line, the only one since the run's
+    # last progress line: no traceback.
     _exit(1, f"error: {e}")
   except Exception:  # pylint: disable=broad-except
     # Often a collective cut short by a process that died: the peer watch
-    # names it in one line if so; otherwise the error is raised as is.
+    # names it in one line if so; otherwise the error is raised as is,
+    # after what led to it.
+    _LOG_LINES.release()
     peer_watch.wait_for_a_verdict()
     raise
+  _LOG_LINES.release()  # a run found finished already started nothing
   peer_watch.finish()  # a multi-process run ends together
 
 

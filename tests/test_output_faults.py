@@ -5,21 +5,29 @@ the run's outputs: metrics.jsonl or TensorBoard's events removed mid-run
 (written again whole), metrics.jsonl lacking steps on resume (said in one
 line), the workdir or its checkpoints removed while a save is in flight
 and TensorBoard's directory unwritable or full (one `error:` line, no
-tracebacks), a corpus file that is not text (refused before anything is
-created), and a normal resume (no warning). Runs that must stop on their
-own are real `python -m diloco_jax.main` processes under a timeout.
+tracebacks, nothing of the run's left in a workdir being removed), a
+corpus file that is not text (refused before anything is created), a
+normal resume (no warning), a full disk (no torn record, no workdir left
+by a run that could not start) and every error exit printing its one line
+and no other. Runs that must stop on their own are real `python -m
+diloco_jax.main` processes under a timeout.
 """
 
 import contextlib
+import fcntl
+import json
 import logging
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
 import tensorstore
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from configs import tiny
 from diloco_jax.data import errors as data_errors
@@ -178,6 +186,14 @@ def _assert_one_error_line(process, err, start):
   # No traceback, from the main thread or from a save's threads.
   assert "Traceback" not in err and "Event loop is closed" not in err, (
       err[-3000:])
+  # Before it only the run's progress (and a file it wrote again): no
+  # library's error or warning of the same failure, no line repeating it.
+  assert all(_PROGRESS.match(line) or _WRITTEN_AGAIN in line
+             for line in err.strip().splitlines()[:-1] if line), err[-3000:]
+
+
+_PROGRESS = re.compile(r"I\d{4} ")  # absl's INFO lines
+_WRITTEN_AGAIN = "was removed or replaced while the run wrote it"
 
 
 def test_removing_the_checkpoints_during_a_save_stops_the_run_in_one_line(
@@ -226,6 +242,91 @@ def test_tensorstore_not_found_is_reported_as_a_missing_file(tmp_path):
   assert str(files.storage_error("checkpoints in", str(missing),
                                  error.value)) == (
       f"cannot write checkpoints in {missing}: No such file or directory")
+
+
+def test_a_save_whose_directory_orbax_finds_gone_stops_the_run_in_one_line(
+    tmp_path, monkeypatch):
+  # The 1-in-7 race of removing the workdir during a save, made certain:
+  # orbax's helper threads make a save's directory again, empty, before
+  # its last step reads back the array metadata written there, and orbax
+  # raises a ValueError that names no OS error.
+  workdir = tmp_path / "run"
+  checkpoints = workdir / "checkpoints"
+  read = array_metadata_store.Store.read
+
+  async def removed_before_read(self, checkpoint_dir, *args, **kwargs):
+    shutil.rmtree(checkpoints)  # as `rm -r` would, mid-save
+    os.makedirs(checkpoint_dir)  # as orbax's other threads do meanwhile
+    return await read(self, checkpoint_dir, *args, **kwargs)
+
+  monkeypatch.setattr(array_metadata_store.Store, "read", removed_before_read)
+  with pytest.raises(files.StorageError) as error:
+    # A synchronous save: it meets the removal in the loop's own call.
+    train.train_and_evaluate(_config(**{"checkpoint.async_save": False}),
+                             str(workdir))
+  assert str(error.value) == (f"cannot write checkpoints in {checkpoints}: "
+                              "No such file or directory")
+  assert os.listdir(checkpoints) == []  # the save's remains removed
+
+
+def _rm_r_around_the_run(workdir, before_step, after_step):
+  """An inner-step wrapper that removes `workdir` as `rm -r` would, but
+  with the run writing in between: metrics.jsonl and tensorboard/ before
+  step `before_step` (the run writes them again at its next record), the
+  rest before step `after_step`, and the directory, which the run's new
+  copies keep (rm fails: "Directory not empty")."""
+  calls = []
+
+  def wrapper(inner_step, state, batch):
+    calls.append(len(calls) + 1)
+    if calls[-1] == before_step:
+      os.remove(workdir / "metrics.jsonl")
+      shutil.rmtree(workdir / "tensorboard")
+    if calls[-1] == after_step:
+      assert (workdir / "metrics.jsonl").exists()  # written again
+      for name in set(os.listdir(workdir)) - {"metrics.jsonl",
+                                              "tensorboard"}:
+        path = workdir / name
+        if path.is_dir():
+          shutil.rmtree(path)
+        else:
+          path.unlink()
+      with pytest.raises(OSError):
+        os.rmdir(workdir)
+    return inner_step(state, batch)
+
+  return wrapper
+
+
+def test_a_workdir_removed_around_the_run_is_not_made_again(tmp_path,
+                                                            monkeypatch):
+  # The run writes metrics.jsonl and tensorboard/ again (they were removed
+  # while the workdir stayed); then the rest of the workdir goes: the run
+  # stops at its next record and removes its new copies.
+  workdir = tmp_path / "run"
+  helpers.wrap_inner_step(monkeypatch, _rm_r_around_the_run(workdir, 5, 7))
+  with pytest.raises(files.StorageError) as error:
+    # Synchronous saves: none in flight to meet the removal.
+    train.train_and_evaluate(_config(**{
+        "total_steps": 12, "checkpoint.async_save": False}), str(workdir))
+  assert str(error.value) == (
+      f"cannot write metrics {workdir / 'metrics.jsonl'}: "
+      f"{workdir / 'run.lock'} was removed (the workdir is being removed)")
+  assert not workdir.exists()
+
+
+def test_releasing_a_workdir_removed_meanwhile_raises_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  claim = workdir_lib.claim(str(workdir))
+  release = claim.lock.release
+
+  def removed_first(remove=False):
+    shutil.rmtree(workdir)  # `rm -r` as the run ends
+    release(remove=remove)
+
+  claim.lock.release = removed_first
+  claim.release()
+  assert not workdir.exists()
 
 
 # 3. TensorBoard's directory: checked with the workdir, its writes stop the
@@ -341,3 +442,145 @@ def test_text_is_told_from_binary_by_the_first_block(tmp_path):
     text_files.check_text(tmp_path, ["a.txt", "b.bin", "c.bin"],
                           str(tmp_path))
   text_files.check_text(tmp_path, ["a.txt"], str(tmp_path))
+
+
+# 5. A full disk: no torn record, and no workdir from a run that could not
+# start.
+
+
+@contextlib.contextmanager
+def _small_disk(directory):
+  """`directory` on a small file system of its own (tmpfs). Needs root and
+  mount(8): skipped otherwise."""
+  os.makedirs(directory, exist_ok=True)
+  if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=256k",
+                                     "tmpfs", str(directory)):
+    pytest.skip("needs root and mount(8) to make a real full file system")
+  try:
+    yield
+  finally:
+    subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def _fill(directory, free_pages: int = 0) -> None:
+  """Fills `directory`'s file system but for `free_pages` pages (4 KiB)."""
+  filler = os.path.join(directory, "filler")
+  with contextlib.suppress(OSError), open(filler, "wb") as f:
+    while True:  # until the disk is full
+      f.write(b"\0" * 4096)
+      f.flush()
+  os.truncate(filler, max(os.path.getsize(filler) - free_pages * 4096, 0))
+
+
+@pytest.mark.parametrize("free_pages", [0, 2])
+def test_a_run_that_cannot_start_on_a_full_disk_leaves_no_workdir(
+    tmp_path, free_pages):
+  # No page: run.lock cannot be written. Two: run.lock and config.json
+  # are, then metrics.jsonl and the TensorBoard file are opened and their
+  # first write fails.
+  disk = tmp_path / "disk"
+  workdir = disk / "run"
+  with _small_disk(disk):
+    _fill(disk, free_pages)
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco_jax.main", "--config=configs/tiny.py",
+         f"--workdir={workdir}"], cwd=REPO, env=ENV, text=True,
+        capture_output=True, timeout=_STOP_TIMEOUT_S, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = result.stderr.strip()  # the only one
+    assert line.startswith(f"error: --workdir={workdir}: cannot write "
+                           if not free_pages else "error: cannot write "), (
+                               result.stderr[-3000:])
+    assert line.endswith(": No space left on device"), result.stderr[-3000:]
+    assert os.listdir(disk) == ["filler"]
+
+
+def test_a_full_disk_leaves_whole_records(tmp_path):
+  # A record the disk has room for part of is taken back: metrics.jsonl
+  # and the TensorBoard file end in whole records.
+  workdir = tmp_path / "run"
+  with _small_disk(workdir):
+    writer = metrics_lib.MetricsWriter(str(workdir), total_steps=10_000)
+    writer.start_clock()
+    for step in range(1, 10_000):
+      if step == 3:  # each file's last page partly written
+        _fill(workdir)
+      try:
+        writer.write({"step": step, "round": 1, "tokens_seen": step,
+                      "train_loss": 1.0, "padding": "x" * 200})
+      except files.StorageError as e:
+        if "metrics.jsonl" in str(e):  # the file that matters most
+          break
+    writer.close()
+    with open(workdir / "metrics.jsonl", "rb") as f:
+      jsonl = f.read()
+    events = [os.path.join(workdir, "tensorboard", name)
+              for name in os.listdir(workdir / "tensorboard")]
+    with open(events[0], "rb") as f:
+      event_file = f.read()
+  assert jsonl.endswith(b"\n")
+  assert [json.loads(line)["step"] for line in jsonl.splitlines()] == list(
+      range(1, step))
+  at = 0
+  while at < len(event_file):  # TFRecords: length, CRC, data, CRC
+    at += 8 + 4 + struct.unpack("<Q", event_file[at:at + 8])[0] + 4
+  assert at == len(event_file)
+
+
+def test_a_resume_repairs_a_torn_last_line(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2}')  # torn before its newline
+  assert metrics_lib.truncate_metrics(str(tmp_path), 2) == 0
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+  path.write_text('{"step": 1}\n{"step": 2}\n{"st')  # torn mid-record
+  assert metrics_lib.truncate_metrics(str(tmp_path), 2) == 1
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+# 6. Every error exit prints its `error:` line and nothing else.
+
+
+def test_each_error_before_the_run_starts_is_the_only_line(tmp_path):
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "a.bin").write_bytes(b"\0" * 64)
+  held = tmp_path / "held"
+  held.mkdir()
+  cases = {  # flags: the line
+      ("--config.total_steps=-3",):
+          "error: config.total_steps=-3 must be an integer >= 1",
+      ("--config.total_stepz=3",):
+          "error: --config.total_stepz: no such config field; did you mean "
+          "--config.total_steps?",
+      ("extra",):
+          "error: unexpected arguments ['extra']: every setting is a flag "
+          "(--workdir=DIR, --config.FIELD=VALUE)",
+      ("--config.data.corpus=text_files", f"--config.data.path={data}",
+       "--config.model.vocab_size=257"):
+          f"error: config.data.path={str(data)!r}: {data / 'a.bin'} is not "
+          "UTF-8 text (a NUL byte at offset 0); corpus 'text_files' reads "
+          "plain text files: give a file, directory or glob of text only "
+          "(e.g. DIR/**/*.txt)",
+      ("held",):
+          f"error: --workdir={held} is in use by another run (pid 12345); "
+          "wait for it to end or choose another workdir",
+  }
+  with open(held / "run.lock", "w") as lock:
+    lock.write("12345\n")
+    lock.flush()
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    processes = {
+        flags: _main(held if flags == ("held",) else tmp_path / "run",
+                     *(() if flags == ("held",) else flags))
+        for flags in cases}  # at once: each is mostly JAX's import
+    try:
+      outputs = {flags: process.communicate(timeout=_STOP_TIMEOUT_S)
+                 for flags, process in processes.items()}
+    finally:
+      for process in processes.values():
+        _stop(process)
+  for flags, line in cases.items():
+    out, err = outputs[flags]
+    assert (out, err.strip()) == ("", line), (flags, err[-3000:])
+  assert not (tmp_path / "run").exists()
+  assert os.listdir(held) == ["run.lock"]

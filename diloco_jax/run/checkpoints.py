@@ -16,7 +16,9 @@ set aside like an unreadable one.
 A save that fails for want of storage (a read-only file system, a full
 disk, a quota, a directory removed under it) raises files.StorageError
 naming the directory and the reason; `abandon` then removes what the
-failed save left half-written.
+failed save left half-written. The workdir removed under the run (its
+run.lock gone) is such a failure too, whatever orbax raises of it, and no
+new save starts there (orbax would make the directories again).
 When checkpoints exist but none reads back, restoring raises
 UnreadableCheckpointsError rather than letting the run start over.
 """
@@ -42,6 +44,7 @@ from jax.experimental import multihost_utils
 from diloco_jax.algorithm import guards
 from diloco_jax.run import files
 from diloco_jax.run import integrity
+from diloco_jax.run import workdir as workdir_lib
 
 STATE = "state"
 META = "meta"
@@ -122,6 +125,12 @@ class Checkpointer:
             read_only=read_only),
         item_names=(STATE, META),
     )
+    # The workdir's lock, whose absence means the workdir is being removed
+    # (None: no run holds this workdir, as in tests and read-only use).
+    lock = os.path.join(os.path.dirname(self.directory),
+                        workdir_lib.LOCK_FILE)
+    self._sentinel = (lock if not read_only and os.path.exists(lock)
+                      else None)
 
   def steps(self) -> list[int]:
     """Finalized checkpoint steps, oldest first."""
@@ -144,6 +153,10 @@ class Checkpointer:
     meta = {**meta, CHECKSUMS: digests}
     meta[META_DIGEST] = _meta_digest(meta)
     with self._storage_errors():
+      if self._workdir_removed() or not os.path.isdir(self.directory):
+        # orbax would make them again: a removal is a failure to report.
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                self.directory)
       self._manager.save(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardSave(state),
           META: ocp.args.JsonSave(meta),
@@ -157,8 +170,10 @@ class Checkpointer:
       yield
     except Exception as e:  # pylint: disable=broad-except
       reason = files.os_reason(e)
-      if reason is None and not os.path.isdir(self.directory):
-        # Removed under the run: whatever tensorstore says of it then.
+      if reason is None and (self._workdir_removed()
+                             or not os.path.isdir(self.directory)):
+        # Removed under the run (orbax's threads may have made the
+        # directory again): whatever tensorstore or orbax says of it then.
         reason = os.strerror(errno.ENOENT)
       if reason is None:
         raise  # not a storage failure: a bug to see whole
@@ -193,6 +208,10 @@ class Checkpointer:
         return
       if running:  # (orbax's threads re-raise their error on join)
         time.sleep(0.2)
+
+  def _workdir_removed(self) -> bool:
+    return self._sentinel is not None and not os.path.lexists(
+        self._sentinel)
 
   def _remove_temporary_dirs(self) -> bool:
     """Removes unfinished saves' directories; True if it removed any (one

@@ -26,6 +26,7 @@ import errno
 import os
 import re
 import tempfile
+import time
 
 from absl import logging
 
@@ -36,7 +37,17 @@ class UnsafeFileError(ValueError):
 
 
 class StorageError(RuntimeError):
-  """A write that failed; the message names the path and the OS's reason."""
+  """A write that failed; the message names the path and the OS's reason.
+
+  Attributes:
+    removed: whether it failed because what it wrote was removed under
+      the run (its file or directory, or the workdir: ENOENT).
+  """
+
+  def __init__(self, message: str, removed: bool | None = None):
+    super().__init__(message)
+    self.removed = (message.endswith(os.strerror(errno.ENOENT))
+                    if removed is None else removed)
 
 
 def refuse_symlink(path: str) -> None:
@@ -48,6 +59,14 @@ def refuse_symlink(path: str) -> None:
         "workdir: remove the link or choose another workdir")
 
 
+# How tensorstore and orbax (0.12) say that what a save was writing is
+# gone: a NOT_FOUND status, and orbax's ValueErrors when a save's
+# directory was removed before its array metadata were read back (its
+# helper threads may have made the directory again, empty, meanwhile).
+_REMOVED_UNDER_A_SAVE = ("NOT_FOUND: ", "No ArrayMetadata found for ",
+                         "Checkpoint directory does not exist: ")
+
+
 def os_reason(error: BaseException) -> str | None:
   """The operating system's reason for a failed write, in a few words
   (None: `error` is not an OS error).
@@ -56,7 +75,8 @@ def os_reason(error: BaseException) -> str | None:
   errno that tensorstore (orbax's writer) reports in its messages. A
   tensorstore NOT_FOUND status carries no errno: it says a file or
   directory being written is gone (removed under the run), which is
-  ENOENT.
+  ENOENT; so do the ValueErrors orbax raises when a save's directory or
+  the array metadata it wrote there is gone (_REMOVED_UNDER_A_SAVE).
   """
   seen, visited = error, set()
   while seen is not None and id(seen) not in visited:
@@ -66,7 +86,7 @@ def os_reason(error: BaseException) -> str | None:
     code = re.search(r"os_error_code='?(\d+)", str(seen))
     if code:
       return os.strerror(int(code.group(1)))
-    if str(seen).startswith("NOT_FOUND: "):
+    if str(seen).startswith(_REMOVED_UNDER_A_SAVE):
       return os.strerror(errno.ENOENT)
     seen = seen.__cause__ or seen.__context__
   return None
@@ -124,7 +144,14 @@ class AppendedFile:
   held open: a file removed (`rm metrics.jsonl`) or replaced under the run
   is written again at its path from the open copy, which holds every
   record, and the run says so in one line. A file that cannot be written
-  (its directory is gone, the disk is full) raises StorageError.
+  (its directory is gone, the disk is full) raises StorageError, and what
+  the failed write had written of its data is taken back: the file ends
+  in whole records, never a torn one.
+
+  Its workdir being removed (the sentinel gone) is a failed write, not a
+  removal to repair: every append checks first (a copy written again just
+  before, `rm -r` having removed the file before the sentinel, is removed
+  when the run releases its workdir: workdir.Claim.release).
   """
 
   def __init__(self, path: str, what: str, exclusive: bool = False,
@@ -170,13 +197,29 @@ class AppendedFile:
         removed.
       UnsafeFileError: a symlink replaced it.
     """
+    if self.workdir_removed():
+      raise StorageError(
+          f"cannot write {self._what} {self.path}: {self._sentinel} was "
+          "removed (the workdir is being removed)", removed=True)
     if not self._holds_path():
       self._restore()
+    try:
+      end = os.fstat(self._fd).st_size  # where `data` starts
+    except OSError as e:
+      raise storage_error(self._what, self.path, e) from None
     try:
       while data:
         data = data[os.write(self._fd, data):]
     except OSError as e:
+      # A write cut short (a full disk) is taken back whole: a reader, or
+      # a resumed run appending, never meets half a record.
+      with contextlib.suppress(OSError):
+        os.ftruncate(self._fd, end)
       raise storage_error(self._what, self.path, e) from None
+
+  def workdir_removed(self) -> bool:
+    """Whether the sentinel is gone: the workdir is being removed."""
+    return bool(self._sentinel) and not os.path.lexists(self._sentinel)
 
   def _holds_path(self) -> bool:
     """Whether the path still names the file held open: it exists, and
@@ -193,11 +236,15 @@ class AppendedFile:
 
   def _restore(self) -> None:
     """Writes the open copy at the path again and appends there from now
-    on."""
-    if self._sentinel and not os.path.exists(self._sentinel):
+    on (not before a removal of the whole workdir under way has had
+    _SETTLE_S to reach the sentinel)."""
+    if self._sentinel and not self.workdir_removed():
+      time.sleep(_SETTLE_S)  # a rare event: this once
+    if self.workdir_removed():
       raise StorageError(
           f"cannot write {self._what} {self.path}: it was removed, and "
-          f"{self._sentinel} with it (the workdir is being removed)")
+          f"{self._sentinel} with it (the workdir is being removed)",
+          removed=True)
     size = os.fstat(self._fd).st_size
     data = os.pread(self._fd, size, 0) if size else b""
     while len(data) < size:  # pread may return less than asked
@@ -219,6 +266,12 @@ class AppendedFile:
     if self._fd is not None:
       fd, self._fd = self._fd, None
       os.close(fd)
+
+
+# How long a file found removed waits before it is written again: `rm -r`
+# of a workdir removes it in directory order, its sentinel within a few
+# milliseconds after as a rule (for the rest: workdir.Claim.release).
+_SETTLE_S = 0.05
 
 
 def open_no_follow(path: str) -> int:

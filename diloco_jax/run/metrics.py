@@ -211,7 +211,9 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
 
   A run killed after its last checkpoint has logged steps it will take again;
   dropping them keeps one record per step. A torn last line (killed mid-
-  write) is dropped too. The file is replaced atomically.
+  write) is dropped too, and a last record that lacks its newline gets
+  one, so the next record starts a line of its own. The file is replaced
+  atomically.
 
   Returns:
     How many records were dropped.
@@ -219,9 +221,10 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
   path = os.path.join(workdir, "metrics.jsonl")
   if not _is_writer() or not os.path.exists(path):
     return 0
-  kept, dropped = [], 0
+  kept, dropped, torn = [], 0, False
   with open(path) as f:
     for line in f:
+      torn = not line.endswith("\n")
       try:
         record = json.loads(line)
       except json.JSONDecodeError:
@@ -231,7 +234,7 @@ def truncate_metrics(workdir: str, last_step: int) -> int:
         kept.append(line if line.endswith("\n") else line + "\n")
       else:
         dropped += 1
-  if dropped:
+  if dropped or torn:
     files.write_atomically(path, "".join(kept))
   return dropped
 

@@ -53,7 +53,7 @@ from diloco_jax.run import workdir as workdir_lib
 
 def train_and_evaluate(config, workdir: str, devices=None,
                        launch_time: float | None = None,
-                       command_line=None) -> dict:
+                       command_line=None, started=None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
 
   Rerunning with the same workdir resumes from the newest checkpoint; a run
@@ -74,6 +74,10 @@ def train_and_evaluate(config, workdir: str, devices=None,
       file chose for another overlap or outer optimizer than the flags ask
       for is set aside (config/outer_choice.py); None: every field of
       `config` is the caller's choice.
+    started: called (with no arguments, maybe more than once) when the run
+      has started writing in its workdir: its state restored or made,
+      config.json and the metrics files written (main.py prints its log
+      lines from then on, so that a run refused before prints one line).
 
   Returns:
     The summary dict also written to `workdir/summary.json`.
@@ -107,14 +111,19 @@ def train_and_evaluate(config, workdir: str, devices=None,
   # claimed.
   setup = setup_lib.build(run_config, devices, outer_devices)
   claim = workdir_lib.claim(workdir, lock=jax.process_index() == 0)
+  removed = False
   try:
     with stops.StopSignals() as signals:
       if config.pretrain_steps:
         source, launch_time = _pretrain(config, claim.workdir, devices,
-                                        launch_time)
-      return _train(setup, claim.workdir, launch_time, signals, source)
+                                        launch_time, started)
+      return _train(setup, claim.workdir, launch_time, signals, source,
+                    started)
+  except files.StorageError as e:
+    removed = e.removed  # maybe the whole workdir: see Claim.release
+    raise
   finally:
-    claim.release()
+    claim.release(after_a_removal=removed)
 
 
 def _warm_start_source(run_config: run_config_lib.RunConfig,
@@ -134,7 +143,8 @@ def _warm_start_source(run_config: run_config_lib.RunConfig,
   return source
 
 
-def _pretrain(config, workdir: str, devices, launch_time: float):
+def _pretrain(config, workdir: str, devices, launch_time: float,
+              started=None):
   """Runs (or resumes) the pretraining phase unless the main phase began.
 
   Returns:
@@ -146,7 +156,8 @@ def _pretrain(config, workdir: str, devices, launch_time: float):
   logging.info("pretraining: steps 1..%d as one worker in %s",
                config.pretrain_steps, pretrain_dir)
   summary = train_and_evaluate(warm_start.pretrain_config(config),
-                               pretrain_dir, devices, launch_time)
+                               pretrain_dir, devices, launch_time,
+                               started=started)
   logging.info("pretrained: eval loss %.4f at step %d; %s starts from it",
                summary["final_eval_loss"], config.pretrain_steps,
                config.mode)
@@ -185,9 +196,10 @@ def _close_after_error(checkpointer, writer, error: BaseException) -> None:
 
 def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
            signals: stops.StopSignals,
-           source: warm_start.Source | None) -> dict:
+           source: warm_start.Source | None, started=None) -> dict:
   """train_and_evaluate's body, in a locked workdir with signals caught;
-  a first start begins from `source`'s model when given."""
+  a first start begins from `source`'s model when given; `started` as
+  train_and_evaluate's."""
   wall_start = time.perf_counter()
   config = setup.config
   checkpointer = checkpoints_lib.Checkpointer(
@@ -220,6 +232,8 @@ def _train(setup: setup_lib.RunSetup, workdir: str, launch_time: float,
     writer = metrics_lib.MetricsWriter(workdir, config.total_steps,
                                        config.log_every_seconds,
                                        setup.islands, start_step=start.step)
+    if started is not None:
+      started()
     loop = loop_lib.TrainingLoop(setup, start, checkpointer, writer, signals,
                                  source, launch_time)
     programs = _until_stopped(compiling, signals)

@@ -12,7 +12,9 @@ second run into the same workdir stops at once with the holder's pid
 instead of interleaving its metrics and checkpoints with the first.
 
 A run that fails before writing any output leaves no trace: releasing the
-claim of a workdir it created removes the lock and the empty directories.
+claim of a workdir it created removes the lock, config.json, the files it
+opened but wrote nothing in (a disk full at start) and the empty
+directories.
 
 The workdir is a local (or mounted) path: the lock, the metrics and the
 checkpoints are written through the operating system's files, so a URL
@@ -26,6 +28,9 @@ import errno
 import fcntl
 import os
 import re
+import shutil
+import stat
+import time
 
 from diloco_jax.run import files
 
@@ -71,7 +76,8 @@ class WorkdirLock:
       os.ftruncate(self._fd, 0)
       os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as e:  # a full disk
-      self.release()
+      # Its file goes too: a run that failed to start leaves nothing.
+      self.release(remove=True)
       raise WorkdirError(f"--workdir={workdir}: cannot write {self.path}: "
                          f"{e.strerror}") from None
 
@@ -100,13 +106,16 @@ class WorkdirLock:
     """Drops the lock; `remove` also deletes the file (while still held,
     so a run that opened it meanwhile sees it gone and locks anew)."""
     if self._fd is not None:
-      if remove:
-        with contextlib.suppress(OSError):
-          os.remove(self.path)
-      else:
-        os.ftruncate(self._fd, 0)
-      os.close(self._fd)  # closing the last descriptor releases the flock
-      self._fd = None
+      fd, self._fd = self._fd, None
+      try:
+        if remove:
+          with contextlib.suppress(OSError):
+            os.remove(self.path)
+        else:
+          with contextlib.suppress(OSError):  # the holder's pid goes
+            os.ftruncate(fd, 0)
+      finally:
+        os.close(fd)  # closing the last descriptor releases the flock
 
   def __enter__(self):
     return self
@@ -136,33 +145,101 @@ class Claim:
   def __init__(self, workdir: str, lock: WorkdirLock | None, created: bool):
     self.workdir, self.lock, self.created = workdir, lock, created
 
-  def release(self) -> None:
-    """Drops the lock; a directory this claim created that holds no output
-    (only the lock and empty directories) is removed with it."""
-    if self.lock is None:
+  def release(self, after_a_removal: bool = False) -> None:
+    """Drops the lock (once; later calls do nothing); a directory this
+    claim created that holds no output (_no_output_files) is removed with
+    it.
+
+    A workdir being removed under the run (`rm -r`: its lock and
+    config.json gone) is not the run's to keep: what the run's own names
+    still hold there is removed, and the directory if that empties it.
+    That is what the run wrote since the removal listed them (a file
+    written again before the removal reached the lock, the rest of a
+    checkpoint that orbax's threads were writing); `rm -r` would have
+    removed them but for that, and failed on a directory not empty.
+    After a write that failed for something removed (`after_a_removal`),
+    a removal of the workdir still under way gets up to _REMOVAL_WAIT_S
+    to reach its lock and config.json. Never raises OSError: the workdir
+    may go at any moment.
+    """
+    lock, self.lock = self.lock, None
+    if lock is None:
       return
+    deadline = time.monotonic() + (_REMOVAL_WAIT_S if after_a_removal
+                                   else 0)
+    while not _being_removed(self.workdir) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    removed = _being_removed(self.workdir)
     try:
-      unused = self.created and _holds_no_output(self.workdir)
-    except FileNotFoundError:  # removed under the run: nothing to remove
-      unused = False
-    self.lock.release(remove=unused)
-    if unused:
-      for name in os.listdir(self.workdir):
+      unused = (_no_output_files(self.workdir)
+                if self.created and not removed else None)
+    except OSError:  # removed under the run: nothing to remove
+      unused = None
+    lock.release(remove=unused is not None)
+    if removed:
+      unused = [os.path.join(self.workdir, name) for name in OWN_NAMES
+                if name != LOCK_FILE]  # (another run's, if there is one)
+    for path in unused or ():
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
         with contextlib.suppress(OSError):
-          os.rmdir(os.path.join(self.workdir, name))  # empty ones only
-      with contextlib.suppress(OSError):
-        os.rmdir(self.workdir)
+          os.remove(path)
+    if unused is not None:
+      _remove_empty_directories(self.workdir)
 
 
-def _holds_no_output(workdir: str) -> bool:
-  """Whether `workdir` holds nothing but the lock and empty directories."""
+# How long a run that failed to write waits for a removal of its workdir
+# under way to reach the workdir's lock and config.json (`rm -r` removes
+# in directory order).
+_REMOVAL_WAIT_S = 1.0
+
+
+def _being_removed(workdir: str) -> bool:
+  """Whether the workdir's lock and config.json are gone: `rm -r` (they
+  are the run's; no run goes on without them)."""
+  return not any(os.path.lexists(os.path.join(workdir, name))
+                 for name in (LOCK_FILE, "config.json"))
+
+
+def _no_output_files(workdir: str) -> list[str] | None:
+  """The files of `workdir` if it holds no output, else None.
+
+  No output: besides the lock, config.json (the run's settings, written
+  first) and empty files (metrics.jsonl or an event file opened but not
+  written: a disk full at start), in the workdir or in its directories,
+  which hold nothing else (checkpoints/ as orbax makes it).
+  """
+  found = []
   for name in os.listdir(workdir):
     path = os.path.join(workdir, name)
     if name == LOCK_FILE:
       continue
-    if os.path.islink(path) or not os.path.isdir(path) or os.listdir(path):
-      return False
-  return True
+    if os.path.isdir(path) and not os.path.islink(path):
+      for inner in os.listdir(path):
+        if not _is_empty_file(os.path.join(path, inner)):
+          return None
+        found.append(os.path.join(path, inner))
+    elif name == "config.json" or _is_empty_file(path):
+      found.append(path)
+    else:
+      return None
+  return found
+
+
+def _is_empty_file(path: str) -> bool:
+  found = os.stat(path, follow_symlinks=False)
+  return stat.S_ISREG(found.st_mode) and found.st_size == 0
+
+
+def _remove_empty_directories(workdir: str) -> None:
+  """Removes `workdir`'s empty directories, then itself if it is empty."""
+  with contextlib.suppress(OSError):
+    for name in os.listdir(workdir):
+      with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(workdir, name))  # empty ones only
+  with contextlib.suppress(OSError):
+    os.rmdir(workdir)
 
 
 def _check_path(workdir) -> tuple[str, bool]:
