@@ -13,7 +13,7 @@ fixture holds.
 Trains configs/tiny.py (2 islands, 2 layers of d_model 64, MLP 256: every
 matrix big enough for FSDP to split and for SparseLoCo's chunks; 16 steps,
 H = 4, so 4 rounds: the delayed and eager overlaps run past eager's 2
-warm-up rounds) in this process, once per cell of
+warm-up rounds), 12 cells to a child process, once per cell of
 
   overlap  none, one_step_delay, one_step_delay_rebase, eager, eager_share
            (each at its own default outer step, config/overlap_defaults.py),

@@ -32,8 +32,10 @@ CELLS = [
     # The outer side on its own device: anchors crossing, int8 with
     # error feedback (host_outer.RoundOuter).
     "one_step_delay_rebase/int8/host",
-    # Eager updates per pipeline stage, past their 2 warm-up rounds.
-    "eager/int8/stages",
+    # Eager updates per pipeline stage, past their 2 warm-up rounds, with
+    # SparseLoCo's per-island outer states, which hold no array (this cell
+    # failed at its first step until they were staged without vmap).
+    "eager/sparseloco/stages",
     # Streaming DiLoCo's sends on the outer device (host_outer.FragmentOuter).
     "streaming/int8/host",
 ]

@@ -213,10 +213,17 @@ def stage_state(state: TrainState, layout: stages_lib.StageLayout
   (traceable)."""
   fields = {name: layout.split(getattr(state, name))
             for name in _SHARED_PARAMS if getattr(state, name) is not None}
-  fields.update({name: jax.vmap(layout.split)(getattr(state, name))
+  fields.update({name: _each_island(layout.split, getattr(state, name))
                  for name in _PER_ISLAND_PARAMS
                  if getattr(state, name) is not None})
   return state.replace(**fields)
+
+
+def _each_island(fn, tree):
+  """fn over the islands' leading axis. A tree with no arrays (an outer
+  state that holds none: SparseLoCo's per-island SGD) has no axis to map,
+  and vmap refuses it: fn takes it as it is."""
+  return jax.vmap(fn)(tree) if jax.tree.leaves(tree) else fn(tree)
 
 
 def unstage_state(state: TrainState, layout: stages_lib.StageLayout,
@@ -231,7 +238,8 @@ def unstage_state(state: TrainState, layout: stages_lib.StageLayout,
       # The logical shapes without their island axis.
       one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:],
                                                         a.dtype), shapes)
-      fields[name] = jax.vmap(lambda t, one=one: layout.join(t, one))(staged)
+      fields[name] = _each_island(lambda t, one=one: layout.join(t, one),
+                                  staged)
   return state.replace(**fields)
 
 
