@@ -227,14 +227,18 @@ def _final_x(workdir: str):
   step = max(int(s) for s in os.listdir(path) if s.isdigit())
   state_path = os.path.join(path, str(step), "state")
   checkpointer = ocp.PyTreeCheckpointer()
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # orbax: no _CHECKPOINT_METADATA
+  # orbax warns of no _CHECKPOINT_METADATA; the logger's own level is put
+  # back as it was (set_verbosity(get_verbosity()) would pin it, and a test
+  # process's later INFO lines would reach no handler).
+  absl_logger = logging.get_absl_logger()
+  level = absl_logger.level
+  logging.set_verbosity(logging.ERROR)
   try:
     metadata = checkpointer.metadata(state_path).item_metadata
     state = checkpointer.restore(state_path, restore_args=jax.tree.map(
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata))
   finally:
-    logging.set_verbosity(verbosity)
+    absl_logger.setLevel(level)
   return step, state["global_params"]
 
 
