@@ -13,6 +13,7 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import island_sync as island_sync_lib
+from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
@@ -92,6 +93,10 @@ def codec(name: str = "fp32", block_size: int = 256, *,
   all of them leave a residual that error feedback sends later
   (`init(..., error_feedback=True)`).
   """
+  library_checks.check_codec_options(
+      name, prune_rate=prune_rate, topk_fraction=topk_fraction, rank=rank,
+      min_rank=min_rank, energy_fraction=energy_fraction,
+      chunk_size=chunk_size, density=density, bits=bits, beta=beta)
   dense_names = dense_codecs.DENSE_CODECS
   if name in dense_names:
     return compression_lib.Compression(
@@ -169,6 +174,8 @@ def init(params, outer_tx: optax.GradientTransformation,
   `flush` after the last round. `seed` seeds the codec's initial state
   (low-rank bases).
   """
+  library_checks.check_num_islands(num_islands, "init")
+  library_checks.check_error_feedback(compression, error_feedback, "init")
   residuals = None
   if error_feedback:
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -186,6 +193,10 @@ def init(params, outer_tx: optax.GradientTransformation,
 def island_copies(params, num_islands: int):
   """`params` repeated on a leading axis of `num_islands` (stacked form):
   the islands' start of a round."""
+  library_checks.check_num_islands(num_islands, "island_copies")
+  if num_islands is None:
+    raise TypeError("island_copies: num_islands=None: give k, the number "
+                    "of islands to stack")
   return state_lib.stack_islands(params, num_islands)
 
 
@@ -217,7 +228,12 @@ def outer_update(global_params, island_params, state: DiLoCoState,
     one_step_delay) x steps on the previous round's mean and this round's
     waits in the state.
   """
-  synced = pseudo_gradient_mean(
+  library_checks.check_update(
+      global_params, island_params, residuals=state.residuals,
+      codec_state=state.codec_state, weights=weights,
+      compression=compression, axis_name=axis_name, made_by="init",
+      used_by="outer_update")
+  synced = island_mean(
       global_params, island_params, weights=weights,
       residuals=state.residuals, codec_state=state.codec_state,
       compression=compression, axis_name=axis_name, key=key)
@@ -296,6 +312,32 @@ def pseudo_gradient_mean(reference, island_params, *, weights=None,
       (inside shard_map or pmap).
     key: PRNG key for stochastic rounding, or None (round to nearest).
   """
+  if stacked_reference:
+    library_checks.check_like(
+        island_params, reference, "island_params", "reference",
+        "with stacked_reference each island's start and its params "
+        "have the same shapes")
+    reference_shapes = (reference if axis_name is not None else
+                        jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                            a.shape[1:], a.dtype), reference))
+  else:
+    reference_shapes = reference
+  library_checks.check_update(
+      reference_shapes, island_params, residuals=residuals,
+      codec_state=codec_state, weights=weights, compression=compression,
+      axis_name=axis_name, made_by="init", used_by="pseudo_gradient_mean",
+      reference_name="reference", state_name="")
+  return island_mean(reference, island_params, weights=weights,
+                     residuals=residuals, codec_state=codec_state,
+                     compression=compression, axis_name=axis_name, key=key,
+                     stacked_reference=stacked_reference)
+
+
+def island_mean(reference, island_params, *, weights=None, residuals=None,
+                codec_state=None, compression=None, axis_name=None,
+                key=None, stacked_reference=False) -> IslandMean:
+  """`pseudo_gradient_mean` without its argument checks (the library's
+  updates check their own arguments first, with their own names)."""
   compression = compression_lib.as_compression(compression)
   if axis_name is not None:
     weight = jnp.asarray(1.0 if weights is None else weights, jnp.float32)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
@@ -45,6 +46,9 @@ def eager_init(params, outer_tx: optax.GradientTransformation,
   own point x_m (`points`: all `params` at first; [k, ...] for
   `num_islands` k, or this island's with None, the per-island form) and
   its own outer state, and starts each round from its point."""
+  library_checks.check_num_islands(num_islands, "eager_init")
+  library_checks.check_error_feedback(compression, error_feedback,
+                                      "eager_init")
   per_island = ((lambda tree: tree) if num_islands is None else
                 (lambda tree: state_lib.stack_islands(tree, num_islands)))
   points = per_island(params)
@@ -92,7 +96,17 @@ def eager_update(points, island_params, state: EagerState,
     state, which islands took part ([k] or a scalar).
   """
   stacked = axis_name is None
-  synced = library_diloco.pseudo_gradient_mean(
+  _check_points(points, state, axis_name, "eager_update")
+  library_checks.check_like(
+      island_params, points, "island_params", "points",
+      "island_params are the islands after their inner steps from points, "
+      "shaped like points")
+  library_checks.check_update(
+      state.in_flight, island_params, residuals=state.residuals,
+      codec_state=state.codec_state, weights=weights,
+      compression=compression, axis_name=axis_name, made_by="eager_init",
+      used_by="eager_update", reference_name="the params")
+  synced = library_diloco.island_mean(
       points, island_params, weights=weights, residuals=state.residuals,
       codec_state=state.codec_state, compression=compression,
       axis_name=axis_name, key=key, stacked_reference=True)
@@ -130,6 +144,7 @@ def eager_settle(points, state: EagerState,
   """The end of an eager run: the last mean lands, each island steps on
   the rest of it, and the islands' average is the model: (x, its outer
   optimizer state), the same on every island in the per-island form."""
+  _check_points(points, state, axis_name, "eager_settle")
   if axis_name is None:
     points, outer_states = outer_step_lib.eager_last_steps(
         outer_tx, points, state.outer_opt_states, state.own_shares,
@@ -143,6 +158,18 @@ def eager_settle(points, state: EagerState,
   average = lambda tree: jax.tree.map(
       lambda a: _mean_over(a[0], axis_name), tree)
   return average(points), average(outer_states)
+
+
+def _check_points(points, state: EagerState, axis_name, function: str):
+  """points are the islands' points of the params eager_init was given
+  (state.in_flight holds one copy's shapes), in the form axis_name says,
+  and the state was made for as many islands."""
+  library_checks.check_islands(state.in_flight, points, axis_name is None,
+                               "the params", "points")
+  library_checks.check_like(
+      state.own_shares, points, "state.own_shares", "points",
+      f"{function}: make the state with eager_init(..., num_islands=k) for "
+      "the stacked form's k islands, or num_islands=None per island")
 
 
 def _mean_over(leaf, axis_name):

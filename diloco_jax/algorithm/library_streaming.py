@@ -15,6 +15,7 @@ import optax
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import schedule as schedule_lib
@@ -99,6 +100,9 @@ def streaming_init(params, outer_tx: optax.GradientTransformation,
   """The state before the first send; `num_islands` k for stacked islands,
   None for the per-island form; `assignment` each leaf's fragment
   (default `fragment_assignment`)."""
+  library_checks.check_num_islands(num_islands, "streaming_init")
+  library_checks.check_error_feedback(compression, error_feedback,
+                                      "streaming_init")
   if assignment is None:
     assignment = fragment_assignment(params, num_fragments)
   assignment = tuple(int(f) for f in assignment)
@@ -133,6 +137,15 @@ def fragment_send(global_params, island_params, state: StreamingState,
     (global_params, state, included): x with the fragment stepped (the
     others as they were), the next state, which islands took part.
   """
+  library_checks.check_fragment(fragment, len(state.outer_opt_states),
+                                "fragment_send")
+  library_checks.check_assignment(state.assignment, global_params,
+                                  "fragment_send")
+  library_checks.check_update(
+      global_params, island_params, residuals=state.residuals,
+      codec_state=state.codec_state, weights=weights,
+      compression=compression, axis_name=axis_name,
+      made_by="streaming_init", used_by="fragment_send")
   compression = compression_lib.as_compression(compression)
   assignment = state.assignment
   select = lambda tree: (None if tree is None else
@@ -142,7 +155,7 @@ def fragment_send(global_params, island_params, state: StreamingState,
   codec_state = (None if state.codec_state is None
                  else tuple(state.codec_state[i] for i in positions))
   x = select(global_params)
-  synced = library_diloco.pseudo_gradient_mean(
+  synced = library_diloco.island_mean(
       x, select(island_params), weights=weights,
       residuals=select(state.residuals), codec_state=codec_state,
       compression=compression, axis_name=axis_name, key=key)
@@ -176,6 +189,14 @@ def fragment_merge(global_params, island_params, state: StreamingState,
   alpha * y + (1 - alpha) * x (alpha 0: x itself); an island whose
   fragment is not finite takes x. Returns the islands' params ([k, ...]
   stacked, or this island's with `axis_name`; the merge itself is local)."""
+  library_checks.check_fragment(fragment, len(state.outer_opt_states),
+                                "fragment_merge")
+  library_checks.check_assignment(state.assignment, global_params,
+                                  "fragment_merge")
+  # Stacked or one island's trees (the merge is local: without axis_name
+  # either form, the same for every leaf).
+  library_checks.check_islands(global_params, island_params,
+                               None if axis_name is None else False)
   del axis_name  # no collective: each island blends its own leaves
   assignment = state.assignment
   x = fragments_lib.select(global_params, assignment, fragment)

@@ -24,6 +24,7 @@ relative precision and the largest ones less.
 """
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,18 @@ class DenseCodec:
   """
   name: str
   block_size: int = 256
+
+  def __post_init__(self):
+    size = self.block_size
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+      raise TypeError(f"block_size={size!r} must be a positive int (values "
+                      "per scale of the blockwise codecs, e.g. 256)")
+    if size < 1 or (size % 2 and self.name in ("int4", "fp4")):
+      raise ValueError(
+          f"block_size={size} is out of range for codec {self.name!r}: give "
+          "a positive int (values per scale, e.g. 256)"
+          + (", even: int4 and fp4 pack two values per byte"
+             if self.name in ("int4", "fp4") else ""))
 
   @property
   def is_identity(self) -> bool:
