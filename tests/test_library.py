@@ -395,3 +395,78 @@ def test_a_tree_without_blocks_is_cut_into_runs_of_about_equal_size():
   with pytest.raises(ValueError, match="must give each"):
     diloco.streaming_init(tree(1, 1), diloco.fedavg(), 2,
                           assignment=(0, 0))
+
+
+def test_a_stacked_state_placed_by_island_specs_runs_per_island():
+  """Two rounds of int8 with error feedback, and of eager updates, per
+  island inside shard_map with the stacked state split by island_specs:
+  x, each island's residuals (and eager's points and outer states) equal
+  the stacked form's (rtol 1e-6: the same sums, reduced in another
+  order)."""
+  params, moves, weights = _rounds_of_moves(2, seed=3)
+  compression, outer_tx = diloco.codec("int8"), diloco.nesterov(0.7, 0.9)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ISLANDS]), ("islands",))
+  on_islands = NamedSharding(mesh, P("islands"))
+
+  x, state = params, diloco.init(params, outer_tx, ISLANDS,
+                                 compression=compression,
+                                 error_feedback=True)
+  specs = diloco.island_specs(state, "islands")
+
+  def per_island(x, move, block, weight):
+    state = diloco.this_island(block)
+    islands = jax.tree.map(lambda a, m: a - m[0], x, move)
+    x, state, _ = diloco.outer_update(x, islands, state, outer_tx,
+                                      weights=weight[0],
+                                      compression=compression,
+                                      axis_name="islands")
+    return x, diloco.island_block(state)
+
+  sharded = jax.jit(jax.shard_map(
+      per_island, mesh=mesh, in_specs=(P(), P("islands"), specs,
+                                       P("islands")),
+      out_specs=(P(), specs), check_vma=False))
+  island_x, island_state = x, state
+  for move in moves:
+    islands = jax.tree.map(lambda a, m: a - m, diloco.island_copies(x, 4),
+                           move)
+    x, state, _ = diloco.outer_update(x, islands, state, outer_tx,
+                                      weights=weights,
+                                      compression=compression)
+    island_x, island_state = sharded(island_x,
+                                     jax.device_put(move, on_islands),
+                                     island_state,
+                                     jax.device_put(weights, on_islands))
+  helpers.assert_trees_close(island_x, x, rtol=1e-6, atol=1e-7)
+  helpers.assert_trees_close(island_state.residuals, state.residuals,
+                             rtol=1e-6, atol=1e-7)
+
+  points, eager = diloco.eager_init(params, outer_tx, ISLANDS)
+  eager_specs = diloco.island_specs(eager, "islands")
+
+  def eager_per_island(point, move, block, weight):
+    point = jax.tree.map(lambda a: a[0], point)
+    islands = jax.tree.map(lambda a, m: a - m[0], point, move)
+    point, block_state, _ = diloco.eager_update(
+        point, islands, diloco.this_island(block), outer_tx,
+        weights=weight[0], axis_name="islands")
+    return (jax.tree.map(lambda a: a[None], point),
+            diloco.island_block(block_state))
+
+  eager_sharded = jax.jit(jax.shard_map(
+      eager_per_island, mesh=mesh,
+      in_specs=(P("islands"), P("islands"), eager_specs, P("islands")),
+      out_specs=(P("islands"), eager_specs), check_vma=False))
+  island_points, island_eager = points, eager
+  for move in moves:
+    islands = jax.tree.map(lambda a, m: a - m, points, move)
+    points, eager, _ = diloco.eager_update(points, islands, eager, outer_tx,
+                                           weights=weights)
+    island_points, island_eager = eager_sharded(
+        island_points, jax.device_put(move, on_islands), island_eager,
+        jax.device_put(weights, on_islands))
+  helpers.assert_trees_close(island_points, points, rtol=1e-6, atol=1e-7)
+  helpers.assert_trees_close(island_eager.outer_opt_states,
+                             eager.outer_opt_states, rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="not a block of one island"):
+    diloco.this_island(state)  # the whole stacked state, not a block

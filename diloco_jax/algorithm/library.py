@@ -20,6 +20,8 @@ The pieces, by module:
                         once on the mean still in flight.
   library_streaming.py  Streaming DiLoCo: fragments on staggered schedules,
                         their sends and merges.
+  library_specs.py      a stacked state inside shard_map: its specs, and
+                        one island's state from a device's block and back.
 
 The built-in runs use these same pieces (island_sync.sync_island is the
 collective of both; config/run_config.py builds a run's codec with
@@ -33,6 +35,8 @@ from diloco_jax.algorithm.library_diloco import (
     pseudo_gradients, sgd, sparseloco)
 from diloco_jax.algorithm.library_eager import (
     EagerState, eager_init, eager_settle, eager_update)
+from diloco_jax.algorithm.library_specs import (
+    island_block, island_specs, this_island)
 from diloco_jax.algorithm.library_streaming import (
     StreamingState, fragment_assignment, fragment_merge, fragment_send,
     streaming_init, streaming_schedule)
@@ -41,7 +45,8 @@ __all__ = [
     "DiLoCoState", "EagerState", "IslandMean", "StreamingState", "adam",
     "bytes_sent", "codec", "eager_init", "eager_settle", "eager_update",
     "fedavg", "flush", "fragment_assignment", "fragment_merge",
-    "fragment_send", "init", "island_copies", "nesterov", "outer_update",
+    "fragment_send", "init", "island_block", "island_copies",
+    "island_specs", "nesterov", "outer_update",
     "pseudo_gradient_mean", "pseudo_gradients", "sgd", "sparseloco",
-    "streaming_init", "streaming_schedule",
+    "streaming_init", "streaming_schedule", "this_island",
 ]
