@@ -10,11 +10,11 @@ a cached executable is the one XLA would build.
 """
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import jax
+
+from tests import xla_settings
 
 # One folder per test run, made by the first process (pytest's own, which
 # starts pytest-xdist's test processes with its environment) and removed by
@@ -30,33 +30,16 @@ _CACHE_DIR = os.path.join(SHARED_DIR, "jit_cache")
 os.makedirs(_CACHE_DIR, exist_ok=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-# The tests' models are tiny: compiling is most of their time and running
-# is little of it, so XLA's CPU backend compiles for speed (the training
-# subprocesses inherit it): no LLVM optimizations, and the older loop
-# emitters for fusions (the two together compile a tiny run's programs
-# ~2.4x faster, measured). Numbers change only by rounding: tests that
-# compare two different programs allow a few ulps, saying why. A flag
-# this XLA does not know would abort every process, so they are tried
-# once in a subprocess first.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0 "
-                 "--xla_cpu_use_fusion_emitters=false")
-
-
-def _xla_accepts(flags: str) -> bool:
-  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-  probe = "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"
-  return subprocess.run([sys.executable, "-c", probe], env=env,
-                        capture_output=True, check=False).returncode == 0
-
-
+# XLA compiles for speed (xla_settings.py says why).
 if "DILOCO_JAX_TEST_XLA_FLAGS" not in os.environ:  # once per test run
   os.environ["DILOCO_JAX_TEST_XLA_FLAGS"] = (
-      _FAST_COMPILE if _xla_accepts(_FAST_COMPILE) else "")
+      xla_settings.FAST_COMPILE
+      if xla_settings.xla_accepts(xla_settings.FAST_COMPILE) else "")
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""),
     os.environ["DILOCO_JAX_TEST_XLA_FLAGS"]]).strip()
 
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", xla_settings.NUM_CPU_DEVICES)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -191,8 +191,13 @@ def _defined_flags(module: str) -> dict[str, str]:
   path = ROOT / (module.replace(".", "/") + ".py")
   if not path.exists():  # a package run with -m: its __main__
     path = ROOT / module.replace(".", "/") / "__main__.py"
+  # A module whose command line lives beside it (prepare.py's in
+  # prepare_command.py) defines its flags there.
+  command = path.with_name(f"{path.stem}_command.py")
+  source = path.read_text() + (command.read_text() if command.exists()
+                               else "")
   kinds = {}
-  for node in ast.walk(ast.parse(path.read_text())):
+  for node in ast.walk(ast.parse(source)):
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
         and node.func.attr.startswith("DEFINE_") and node.args
         and isinstance(node.args[0], ast.Constant)):

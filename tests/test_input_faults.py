@@ -31,6 +31,7 @@ from diloco_jax.data import errors
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
 from diloco_jax.data import producer
+from diloco_jax.data import shard_files
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import token_shards
 
@@ -304,7 +305,7 @@ def test_a_fifo_in_place_of_a_shard_is_refused_not_waited_on(
   (corpus / shard.file).unlink()
   os.mkfifo(corpus / shard.file)
   with pytest.raises(errors.DataError, match=r"is not a regular file"):
-    token_shards.ShardFile(index, shard)
+    shard_files.ShardFile(index, shard)
   shards = tmp_path / "c4"
   _c4_shards(shards)
   paths, _ = c4_files.split_shards(str(shards), 0.05)

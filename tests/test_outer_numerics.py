@@ -7,8 +7,7 @@ written by
 
   python benchmarks/outer_numerics.py --write=tests/fixtures/outer_numerics.json
 
-under this suite's CPU devices and XLA flags (tests/conftest.py; the
-script forces the same). These cells cover each overlap family and each
+under this suite's CPU devices and XLA flags (tests/xla_settings.py). These cells cover each overlap family and each
 layout at least once, and every codec; `python benchmarks/outer_numerics.py
 --check=tests/fixtures/outer_numerics.json` runs all of them. A change
 meant to move the numbers (other operations, another summation order)
@@ -20,7 +19,7 @@ import pathlib
 
 import pytest
 
-from benchmarks import outer_numerics
+from benchmarks import outer_cells
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "outer_numerics.json"
 
@@ -54,8 +53,8 @@ def test_the_cells_cover_each_overlap_layout_and_codec():
   parts = [set(c.split("/")[i] for c in CELLS) for i in range(3)]
   families = {o.split("_rebase")[0].split("_share")[0] for o in parts[0]}
   assert families == {"none", "one_step_delay", "eager", "streaming"}
-  assert parts[1] == set(outer_numerics.CODECS)
-  assert parts[2] == set(outer_numerics.DEFAULT_LAYOUTS)
+  assert parts[1] == set(outer_cells.CODECS)
+  assert parts[2] == set(outer_cells.DEFAULT_LAYOUTS)
 
 
 # Elsewhere than where the fixture was written (another CPU model, jax or
@@ -69,10 +68,10 @@ OTHER_MACHINE_RTOL = 1e-4
 def test_the_cell_trains_as_the_fixture_says(cell, fixture, tmp_path):
   assert cell in fixture["cells"], f"{cell} is not in {FIXTURE}"
   expected = fixture["cells"][cell]
-  got = outer_numerics.run_cell(cell, str(tmp_path / "run"))
-  notes = outer_numerics.environment_note(fixture["environment"],
-                                          outer_numerics.environment())
-  result = outer_numerics.compare(
+  got = outer_cells.run_cell(cell, str(tmp_path / "run"))
+  notes = outer_cells.environment_note(fixture["environment"],
+                                       outer_cells.environment())
+  result = outer_cells.compare(
       expected, got, rtol=OTHER_MACHINE_RTOL if notes else 0.0)
   if result["status"] not in (("exact", "close") if notes else ("exact",)):
     pytest.fail(

@@ -26,6 +26,7 @@ from diloco_jax.data import file_split
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
 from diloco_jax.data import sources
+from diloco_jax.data import shard_files
 from diloco_jax.data import token_shards
 from diloco_jax.data import tokenizer as tokenizer_lib
 from diloco_jax.data import train_tokenizer
@@ -41,7 +42,7 @@ _WORDS = ("ka", "lo", "mi", "ne", "ru", "ta", "vi", "so", "pe", "du")
 
 def _stored(index, shard):
   """A shard's tokens as the run reads them (its checksum checked)."""
-  return token_shards.ShardFile(index, shard).read(0, shard.tokens)
+  return shard_files.ShardFile(index, shard).read(0, shard.tokens)
 
 
 def _document(rng: random.Random) -> str:

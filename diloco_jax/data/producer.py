@@ -17,8 +17,7 @@ next_batch that reaches it raises that same exception. close() stops the
 thread within one batch's reading; the thread is a daemon, so a process
 that never calls close() still exits.
 
-A read can stall (a file system that stops answering, a FIFO in place of
-a shard): next_batch waits at most `wait_limit_s` (config.data.
+A read can stall (a file system or network mount that stops answering): next_batch waits at most `wait_limit_s` (config.data.
 read_timeout_s), then raises a DataError naming the corpus and the file
 each island reads. It waits in short slices, so a stop the loop is asked
 for meanwhile (a SIGTERM: `interrupt_when`) ends the wait at once with
@@ -111,7 +110,7 @@ class ReadAhead:
     self._source = source
     self._wait_limit_s = wait_limit_s
     self._interrupt: Callable[[], bool] = lambda: False
-    self._stalled = False
+    self._thread_stuck = False  # then close() does not join it
     self._ready = queue.Queue(maxsize=depth)
     self._state = copy.deepcopy(source.state())
     self._failure = None
@@ -150,12 +149,12 @@ class ReadAhead:
         pass
       if self._interrupt():
         # The thread may be stuck in a read that never returns: the run
-        # stops without waiting for it (close() does not join it).
-        self._stalled = True
+        # stops without waiting for it.
+        self._thread_stuck = True
         raise WaitInterrupted()
       waited = time.monotonic() - started
       if self._wait_limit_s is not None and waited >= self._wait_limit_s:
-        self._stalled = True  # the thread is stuck: close() won't join it
+        self._thread_stuck = True
         self._failure = errors.DataError(
             f"config.data.read_timeout_s: corpus {self.info.name} has given "
             f"no batch for {waited:.0f} s, reading {self._reading()} (a "
@@ -191,7 +190,7 @@ class ReadAhead:
     """Stops the thread, waiting at most `timeout` seconds for the batch
     it is reading; the source is not used after."""
     self._closed = True
-    self._stop(0.0 if self._stalled else timeout)
+    self._stop(0.0 if self._thread_stuck else timeout)
 
   def _start(self) -> None:
     """Reads on from the last batch handed out (the source itself may

@@ -21,8 +21,10 @@ from diloco_jax.data import token_shards
 from diloco_jax.data import tokenizer as tokenizer_lib
 
 CORPORA = ("embedded", "synthetic", "text_files", "c4", "tokens")
-# Not held in memory: read shard by shard (c4) or memory-mapped (tokens).
+# Not held in memory: read shard by shard (c4 tokenized, tokens by position).
 STREAMED_CORPORA = ("c4", "tokens")
+# A config written before config.data.read_timeout_s existed waits this.
+DEFAULT_READ_TIMEOUT_S = 300.0
 # "clustered_balanced": the same clusters with boundaries moved so that each
 # holds about 1/k of the tokens (clustering.balance_offsets).
 ISLAND_SPLITS = ("iid", "clustered", "clustered_balanced")
@@ -58,7 +60,7 @@ class DataSettings:
   seed: int
   synthetic: SyntheticSettings
   vocab_size: int
-  read_timeout_s: float = 300.0
+  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
 
   @property
   def streamed(self) -> bool:
@@ -88,7 +90,8 @@ def from_config(data_config) -> DataSettings:
           for field in dataclasses.fields(SyntheticSettings)}),
       vocab_size=(synthetic.vocab_size + 1 if tokenizer is None  # + EOS
                   else tokenizer.vocab_size),
-      read_timeout_s=float(data_config.get("read_timeout_s", 300.0)))
+      read_timeout_s=float(data_config.get("read_timeout_s",
+                                                DEFAULT_READ_TIMEOUT_S)))
 
 
 def of(data) -> DataSettings:
@@ -117,7 +120,7 @@ def _check(data_config) -> tokenizer_lib.Tokenizer | None:
   if not 0 < fraction < 1:
     raise errors.DataError(f"config.data.validation_fraction must be in "
                            f"(0, 1), got {fraction!r}")
-  timeout = data_config.get("read_timeout_s", 300.0)
+  timeout = data_config.get("read_timeout_s", DEFAULT_READ_TIMEOUT_S)
   if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
       or not timeout > 0):
     raise errors.DataError(f"config.data.read_timeout_s must be a number of "

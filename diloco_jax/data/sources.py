@@ -15,7 +15,7 @@ held-out set. In-memory corpora (embedded, synthetic, text_files) keep their
 batches a pure function of the step, so their state is just {"step": s}; the
 streamed C4 corpus keeps each island's read position (see
 `sharded_batches`), and a pre-tokenized corpus ("tokens") each island's
-position in its memory-mapped shards (see `token_batches`).
+position in its shards (see `token_batches`).
 
 The streamed corpus is tokenized as it is read, and a prepared one
 checks each shard's checksum as it first opens it, in a thread that keeps

@@ -20,13 +20,14 @@ is read from it by position in one read, or a few where it crosses
 shards, converted to int32 on the way: the pages come from the OS's file
 cache, nothing of the corpus is loaded into the process. The first time
 this source opens a shard it reads it whole to check its checksum
-(token_shards.ShardFile), and every batch's ids are checked against the
+(shard_files.ShardFile), and every batch's ids are checked against the
 vocabulary (a max over the batch: microseconds), so no id the model
 cannot embed ever reaches it.
 """
 import numpy as np
 
 from diloco_jax.data import errors
+from diloco_jax.data import shard_files
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import token_shards
 
@@ -70,10 +71,10 @@ class _TokenStream:
       filled += count
       self._offset += count
 
-  def _open(self, shard: token_shards.Shard) -> token_shards.ShardFile:
+  def _open(self, shard: token_shards.Shard) -> shard_files.ShardFile:
     """The shard, its content checked the first time this source opens
     it (again if the file changed since: another inode, size or mtime)."""
-    shard_file = token_shards.ShardFile(self._index, shard, verify=False)
+    shard_file = shard_files.ShardFile(self._index, shard, verify=False)
     if shard_file.identity not in self._verified:
       shard_file.check_content()
       self._verified.add(shard_file.identity)
@@ -208,7 +209,7 @@ def eval_sequences(index: token_shards.TokenIndex, sequence_length: int,
   filled = 0
   for shard in index.splits["validation"]:
     count = min(shard.tokens, out.size - filled)
-    shard_file = token_shards.ShardFile(index, shard)
+    shard_file = shard_files.ShardFile(index, shard)
     out[filled:filled + count] = shard_file.read(0, count)
     shard_file.close()
     filled += count

@@ -20,8 +20,8 @@ What is checked when:
   each shard): a shard missing or of another size, another tokenizer, and
   ids beyond the vocabulary (each shard's largest id, recorded by prepare,
   against the tokenizer's; validation checks the model holds those);
-- when a process first opens a shard (`ShardFile`, in the read-ahead
-  thread): its bytes against the recorded sha256 and largest id, so a
+- when a process first opens a shard (shard_files.ShardFile, in the
+  read-ahead thread): its bytes against the recorded sha256 and largest id, so a
   shard overwritten since prepare (even with as many tokens) is refused
   before any of its tokens trains. Reading it costs about 0.5 s per GB on
   a core with SHA extensions (2 GB/s measured; ~0.4 GB/s without them);
@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import pathlib
-import stat
 
 import numpy as np
 
@@ -204,7 +203,7 @@ def check(index: TokenIndex, identity: dict,
   beyond the vocabulary, an empty split, or tokens made by another
   tokenizer than `identity` (tokenizer_identity of the run's). Stats the
   shards; reads none (their content is checked as a run opens them:
-  ShardFile)."""
+  shard_files.ShardFile)."""
   where = index.directory / INDEX_FILE
   if index.dtype_name not in DTYPES:
     raise errors.DataError(
@@ -217,14 +216,16 @@ def check(index: TokenIndex, identity: dict,
         f"does not fit its dtype {index.dtype_name} ({ids} ids)")
   for split in SPLITS:
     for shard in index.splits[split]:
-      _check_shard(index, shard, field)
+      check_shard(index, shard, field)
     if index.tokens(split) == 0:
       raise errors.DataError(f"{field}: the {split} split of {where} holds "
                              f"no tokens")
   _check_tokenizer(index, identity, field)
 
 
-def _check_shard(index: TokenIndex, shard: Shard, field: str) -> None:
+def check_shard(index: TokenIndex, shard: Shard, field: str) -> None:
+  """Refuses, in one line, a shard missing, of another size than the index
+  says, or whose largest id is beyond the vocabulary (a stat)."""
   path = index.directory / shard.file
   try:
     size = path.stat().st_size
@@ -264,143 +265,3 @@ def _check_tokenizer(index: TokenIndex, identity: dict, field: str) -> None:
       f"{field}: the shards at {str(index.directory)!r} were made by "
       f"{_describe(index.tokenizer)}, but config.data names "
       f"{_describe(identity)}; set {hint}")
-
-
-class ShardDigest:
-  """What identifies a shard's content, taken over its ids as they are
-  written (prepare) or read back (ShardFile): the sha256 of the bytes and
-  the largest id."""
-
-  def __init__(self):
-    self._hash = hashlib.sha256()
-    self.max_id = -1
-
-  def update(self, ids: np.ndarray) -> None:
-    """Adds the next ids, in the shard's dtype, as they lie in the file."""
-    self._hash.update(memoryview(np.ascontiguousarray(ids)).cast("B"))
-    if ids.size:
-      self.max_id = max(self.max_id, int(ids.max()))
-
-  @property
-  def sha256(self) -> str:
-    return self._hash.hexdigest()
-
-
-# Bytes read at a time while checking a shard's content.
-_VERIFY_CHUNK_BYTES = 8 * 2**20
-
-
-class ShardFile:
-  """One shard, open for reads by position (pread, no memory map).
-
-  Opening it refuses, in one line naming the file, a shard that is gone,
-  not a regular file (a FIFO would block every read), or of another size
-  than the index says; with `verify`, also one whose bytes are not those
-  prepare wrote (sha256 and largest id, read once: ShardDigest). A read
-  that comes back short (the file was cut while the run read it) is the
-  same one line. Close it, or let it be collected.
-  """
-
-  def __init__(self, index: TokenIndex, shard: Shard, verify: bool = True,
-               field: str = "config.data.path"):
-    self.path = index.directory / shard.file
-    self._shard, self._dtype, self._field = shard, index.dtype, field
-    self._fd = None
-    try:
-      # Opening a FIFO would wait for a writer: refused unopened.
-      if not stat.S_ISREG(os.stat(self.path).st_mode):
-        raise self._error("is not a regular file")
-      self._fd = os.open(self.path, os.O_RDONLY)
-      info = os.fstat(self._fd)
-    except OSError as error:
-      self.close()
-      raise self._error(f"cannot be opened ({error.strerror}): removed "
-                        "while the run read the corpus?") from None
-    expected = shard.tokens * self._dtype.itemsize
-    if info.st_size != expected:
-      self.close()
-      raise self._error(
-          f"holds {info.st_size} bytes, not the {expected} that "
-          f"{INDEX_FILE} says: truncated or overwritten since it was "
-          "prepared")
-    self.identity = (info.st_dev, info.st_ino, info.st_size,
-                     info.st_mtime_ns)
-    if verify:
-      self.check_content()
-
-  def _error(self, problem: str) -> errors.DataError:
-    return errors.DataError(f"{self._field}: shard {self.path} {problem}")
-
-  def digest(self) -> ShardDigest:
-    """Reads the whole shard: its bytes' ShardDigest."""
-    digest = ShardDigest()
-    chunk = _VERIFY_CHUNK_BYTES // self._dtype.itemsize
-    for start in range(0, self._shard.tokens, chunk):
-      digest.update(self.read(start, min(chunk, self._shard.tokens - start)))
-    return digest
-
-  def check_content(self) -> None:
-    """Reads the whole shard: DataError (the file closed) unless its
-    sha256 and largest id are those the index records."""
-    digest = self.digest()
-    if (digest.sha256, digest.max_id) != (self._shard.sha256,
-                                          self._shard.max_id):
-      self.close()
-      raise self._error(
-          f"is not the shard prepare wrote: its bytes' sha256 is "
-          f"{digest.sha256[:16]}.. and its largest id {digest.max_id}, "
-          f"where {INDEX_FILE} says {self._shard.sha256[:16]}.. and "
-          f"{self._shard.max_id} (overwritten since?); prepare it again")
-
-  def read(self, start: int, count: int) -> np.ndarray:
-    """Tokens [start, start + count) of the shard, in its dtype."""
-    out = np.empty(count, self._dtype)
-    view, offset = memoryview(out).cast("B"), start * self._dtype.itemsize
-    done = 0
-    while done < view.nbytes:
-      try:
-        got = os.preadv(self._fd, [view[done:]], offset + done)
-      except OSError as error:
-        raise self._error(f"cannot be read ({error.strerror})") from None
-      if got == 0:
-        raise self._error(
-            f"ended at byte {offset + done}, before the "
-            f"{self._shard.tokens * self._dtype.itemsize} that {INDEX_FILE} "
-            "says: cut while the run read it?")
-      done += got
-    return out
-
-  def close(self) -> None:
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
-
-  def __del__(self):
-    self.close()
-
-
-def verify(index: TokenIndex, field: str = "--output") -> TokenIndex:
-  """Reads every shard and checks it against the index (ShardFile's
-  checks); an index an older prepare wrote without checksums
-  (read_index(..., unchecked=True)) gets them: its shards are read, their
-  sha256 and largest id recorded, and index.json replaced atomically.
-  Returns the index as it stands now; DataError in one line on the first
-  shard that fails."""
-  splits = {}
-  for split in SPLITS:
-    shards = []
-    for shard in index.splits[split]:
-      recorded = bool(shard.sha256)
-      shard_file = ShardFile(index, shard, verify=recorded, field=field)
-      if not recorded:
-        digest = shard_file.digest()
-        shard = dataclasses.replace(shard, sha256=digest.sha256,
-                                    max_id=digest.max_id)
-      shard_file.close()
-      _check_shard(index, shard, field)
-      shards.append(shard)
-    splits[split] = tuple(shards)
-  checked = dataclasses.replace(index, splits=splits)
-  if checked != index:
-    write_json_atomically(index.directory / INDEX_FILE, to_json(checked))
-  return checked
