@@ -342,3 +342,107 @@ def test_merge_trees_that_do_not_match_the_params():
   y["w"] = y["w"][:1]
   with pytest.raises(ValueError, match=r"leading \(island\) axes differ"):
     diloco.fragment_merge(x, y, state, 0)
+
+
+# --- the outer object (diloco(...)) ---------------------------------------
+
+
+def _outer_misuses():
+  """name -> (call that misuses the object, error, message)."""
+  x = _params()
+  int8 = diloco.diloco(codec=diloco.codec("int8"))
+  streams = diloco.diloco(overlap=diloco.streaming(2, assignment=(0, 1)))
+  return {
+      "another object's state": (
+          lambda: diloco.diloco().update(x, _islands(), int8.init(x, K)),
+          ValueError, r"update: the state was made by another outer object "
+          r"\(codec 'int8'.*this one has codec 'fp32'"),
+      "not an OuterState": (
+          lambda: int8.update(x, _islands(), diloco.init(x, TX, K)),
+          TypeError, r"state is a DiLoCoState, not an OuterState"),
+      "a forgotten axis_name": (
+          lambda: int8.update(x, _params(), int8.init(x)), ValueError,
+          r"the state is one island's .* give axis_name=<the islands' mesh "
+          r"axis>"),
+      "axis_name with a stacked state": (
+          lambda: int8.update(x, _params(), int8.init(x, K),
+                              axis_name="islands"), ValueError,
+          r"the state is stacked .* this_island\(state\)"),
+      "islands without the k axis": (
+          lambda: int8.update(x, _params(), int8.init(x, K)), ValueError,
+          r"island_params has no leading island axis"),
+      "another number of islands": (
+          lambda: int8.update(x, _islands(3), int8.init(x, K)), ValueError,
+          r"island_params hold 3 islands but the state was made for 2"),
+      "islands of another model": (
+          lambda: int8.update(x, {"b": _islands()["b"]}, int8.init(x, K)),
+          ValueError, r"island_params"),
+      "no fragment under streaming": (
+          lambda: streams.update(x, _islands(), streams.init(x, K)),
+          ValueError, r"streaming sends one fragment at a time: give "
+          r"fragment=p \(0\.\.1"),
+      "a fragment out of range": (
+          lambda: streams.update(x, _islands(), streams.init(x, K),
+                                 fragment=2), ValueError,
+          r"fragment=2 is out of range"),
+      "a fragment without streaming": (
+          lambda: int8.update(x, _islands(), int8.init(x, K), fragment=0),
+          ValueError, r"fragment=0 with overlap .* leave fragment out"),
+      "merge without streaming": (
+          lambda: int8.merge(x, _islands(), int8.init(x, K), fragment=0),
+          ValueError, r"merge: overlap .* has no fragments"),
+      "sparseloco without error feedback": (
+          lambda: diloco.diloco(codec=diloco.codec("sparseloco"),
+                                error_feedback=False), ValueError,
+          r"needs error_feedback=True"),
+      "an overlap that is not one": (
+          lambda: diloco.diloco(overlap="one_step_delay"), TypeError,
+          r"overlap='one_step_delay': give no_overlap\(\), "
+          r"one_step_delay\(\), eager\(\) or streaming"),
+      "own_weight out of range": (
+          lambda: diloco.eager(own_weight=2), ValueError,
+          r"own_weight=2 is out of range"),
+      "negative warm-up": (
+          lambda: diloco.eager(warmup_rounds=-1), ValueError,
+          r"warmup_rounds=-1 is out of range"),
+      "no fragments": (
+          lambda: diloco.streaming(0), ValueError,
+          r"num_fragments=0 is out of range"),
+      "alpha out of range": (
+          lambda: diloco.streaming(2, alpha=1.5), ValueError,
+          r"alpha=1\.5 is out of range"),
+      "an assignment of other params": (
+          lambda: diloco.diloco(overlap=diloco.streaming(
+              2, assignment=(0, 1, 1))).init(x, K), ValueError,
+          r"assignment \(0, 1, 1\) must give each of the 2 leaves"),
+  }
+
+
+@pytest.mark.parametrize("name", list(_outer_misuses()))
+def test_the_outer_object_s_misuses(name):
+  call, error, message = _outer_misuses()[name]
+  with pytest.raises(error, match=message):
+    call()
+
+
+def test_the_outer_object_brings_each_overlap_s_outer_step():
+  """outer_tx=None takes the outer step measured for the overlap, and
+  SparseLoCo's codec its own step and error feedback."""
+  x = _params()
+  mean = jax.tree.map(jnp.ones_like, x)
+  def first_step(outer):  # x's move on a mean of ones, one step
+    updates, _ = outer.outer_tx.update(mean, outer.outer_tx.init(x), x)
+    return float(updates["b"][0])
+  expected = {diloco.no_overlap(): diloco.nesterov(0.7, 0.9),
+              diloco.one_step_delay(): diloco.nesterov(0.8, 0.0),
+              diloco.eager(): diloco.nesterov(0.5, 0.7),
+              diloco.eager(own_weight=None): diloco.nesterov(1.0, 0.0)}
+  for overlap, tx in expected.items():
+    outer = diloco.diloco(overlap=overlap)
+    updates, _ = tx.update(mean, tx.init(x), x)
+    assert first_step(outer) == float(updates["b"][0]), overlap
+  assert diloco.eager().warmup_rounds == 2
+  assert diloco.eager(own_weight=None).warmup_rounds == 0
+  sparse = diloco.diloco(codec=diloco.codec("sparseloco"))
+  assert sparse.error_feedback and first_step(sparse) == -1.0
+  assert sparse.init(x, K).residuals is not None

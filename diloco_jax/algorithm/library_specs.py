@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import library_eager
 from diloco_jax.algorithm import library_streaming
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
 
 # Each state type's fields that hold one entry per island.
 _PER_ISLAND_FIELDS = {
@@ -34,12 +36,17 @@ _PER_ISLAND_FIELDS = {
 
 
 def _fields(state) -> tuple[str, ...]:
+  if isinstance(state, outer_lib.OuterState):
+    # Under eager updates each island steps its own outer state.
+    eager = isinstance(state.recipe.overlap, outer_overlaps.Eager)
+    return ("included", "residuals", "anchors", "own_shares") + (
+        ("outer_opt_state",) if eager else ())
   for kind, fields in _PER_ISLAND_FIELDS.items():
     if isinstance(state, kind):
       return fields
   raise TypeError(
-      f"{type(state).__name__} is not a state of init, eager_init or "
-      "streaming_init")
+      f"{type(state).__name__} is not a state of outer.init, init, "
+      "eager_init or streaming_init")
 
 
 def _map_per_island(state, fn):

@@ -6,7 +6,7 @@ one island inside shard_map with `axis_name`.
 """
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -74,6 +74,16 @@ def streaming_schedule(step: int, *, inner_steps: int, num_fragments: int,
   return [(action.kind, action.fragment) for action in schedule.after(step)]
 
 
+def check_assignment(params, assignment, num_fragments: int) -> None:
+  """`assignment` gives each leaf of `params` one of the fragments
+  0..num_fragments - 1, each used."""
+  if (len(assignment) != len(jax.tree.leaves(params))
+      or set(assignment) != set(range(num_fragments))):
+    raise ValueError(f"assignment {assignment} must give each of the "
+                     f"{len(jax.tree.leaves(params))} leaves one of the "
+                     f"fragments 0..{num_fragments - 1}, each used")
+
+
 class StreamingState(flax.struct.PyTreeNode):
   """What Streaming DiLoCo carries between sends.
 
@@ -106,11 +116,7 @@ def streaming_init(params, outer_tx: optax.GradientTransformation,
   if assignment is None:
     assignment = fragment_assignment(params, num_fragments)
   assignment = tuple(int(f) for f in assignment)
-  if (len(assignment) != len(jax.tree.leaves(params))
-      or set(assignment) != set(range(num_fragments))):
-    raise ValueError(f"assignment {assignment} must give each of the "
-                     f"{len(jax.tree.leaves(params))} leaves one of the "
-                     f"fragments 0..{num_fragments - 1}, each used")
+  check_assignment(params, assignment, num_fragments)
   base = library_diloco.init(params, outer_tx, num_islands,
                              compression=compression,
                              error_feedback=error_feedback, seed=seed)
@@ -146,40 +152,63 @@ def fragment_send(global_params, island_params, state: StreamingState,
       codec_state=state.codec_state, weights=weights,
       compression=compression, axis_name=axis_name,
       made_by="streaming_init", used_by="fragment_send")
+  sent = send_fragment(
+      global_params, island_params, state.outer_opt_states,
+      state.codec_state, state.residuals, state.assignment, fragment,
+      outer_tx, weights=weights, compression=compression,
+      axis_name=axis_name, key=key)
+  return sent.params, state.replace(
+      outer_opt_states=sent.outer_opt_states, codec_state=sent.codec_state,
+      residuals=sent.residuals), sent.included
+
+
+class FragmentSent(NamedTuple):
+  """What `send_fragment` gives: x with the fragment stepped, and the
+  per-fragment outer states, codec state and residuals after it, and which
+  islands took part."""
+  params: object
+  outer_opt_states: tuple
+  codec_state: object
+  residuals: object
+  included: jax.Array
+
+
+def send_fragment(global_params, island_params, outer_opt_states,
+                  codec_state, residuals, assignment, fragment: int,
+                  outer_tx: optax.GradientTransformation, *, weights,
+                  compression, axis_name, key) -> FragmentSent:
+  """A fragment's send on checked arguments (fragment_send's, and the
+  outer object's under streaming): its mean through the codec with its
+  own residuals and codec state, then the outer step of its leaves."""
   compression = compression_lib.as_compression(compression)
-  assignment = state.assignment
   select = lambda tree: (None if tree is None else
                          fragments_lib.select(tree, assignment, fragment))
   positions = fragments_lib.codec_positions(global_params, compression,
                                             assignment, fragment)
-  codec_state = (None if state.codec_state is None
-                 else tuple(state.codec_state[i] for i in positions))
+  fragment_codec_state = (None if codec_state is None
+                          else tuple(codec_state[i] for i in positions))
   x = select(global_params)
   synced = library_diloco.island_mean(
       x, select(island_params), weights=weights,
-      residuals=select(state.residuals), codec_state=codec_state,
+      residuals=select(residuals), codec_state=fragment_codec_state,
       compression=compression, axis_name=axis_name, key=key)
   x, outer_state = outer_step_lib.outer_update(
-      outer_tx, x, state.outer_opt_states[fragment], synced.mean,
-      synced.anyone)
-  outer_states = list(state.outer_opt_states)
+      outer_tx, x, outer_opt_states[fragment], synced.mean, synced.anyone)
+  outer_states = list(outer_opt_states)
   outer_states[fragment] = outer_state
-  all_codec_state = state.codec_state
-  if codec_state is not None:
-    all_codec_state = list(state.codec_state)
+  if fragment_codec_state is not None:
+    codec_state = list(codec_state)
     kept = outer_step_lib.keep_unless(synced.anyone, synced.codec_state,
-                                      codec_state)
+                                      fragment_codec_state)
     for i, entry in zip(positions, kept):
-      all_codec_state[i] = entry
-    all_codec_state = tuple(all_codec_state)
-  residuals = state.residuals
+      codec_state[i] = entry
+    codec_state = tuple(codec_state)
   if residuals is not None:
     residuals = fragments_lib.replace(residuals, assignment, fragment,
                                       synced.residuals)
-  return (fragments_lib.replace(global_params, assignment, fragment, x),
-          state.replace(outer_opt_states=tuple(outer_states),
-                        codec_state=all_codec_state, residuals=residuals),
-          synced.included)
+  return FragmentSent(
+      fragments_lib.replace(global_params, assignment, fragment, x),
+      tuple(outer_states), codec_state, residuals, synced.included)
 
 
 def fragment_merge(global_params, island_params, state: StreamingState,

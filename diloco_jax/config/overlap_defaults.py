@@ -7,8 +7,7 @@ falls for two rounds, then oscillates and climbs. A linear model of a round
 (each round covers a fraction of the way to the optimum) puts the delayed
 iteration's spectral radius above 1 there and below 1 without the delay.
 So each overlap mode has its own (learning rate, momentum) for outer
-Nesterov, measured by experiments/overlap_sweep.py (configs/study.py,
-3 seeds; eager's by experiments/eager_own_weight.py), used
+Nesterov (algorithm/outer_overlaps.py holds the measured tables), used
 when a config leaves config.diloco.outer_optimizer.
 learning_rate or momentum unset (None). Values a config sets are kept as
 they are; on the command line, a config file's outer optimizer is its
@@ -17,27 +16,14 @@ choice for its own overlap mode only (outer_choice.py).
 
 import ml_collections
 
-# (learning rate, momentum) of outer Nesterov per config.diloco.overlap.
-NESTEROV_DEFAULTS = {
-    "none": (0.7, 0.9),
-    "one_step_delay": (0.8, 0.0),
-    "one_step_delay_rebase": (0.7, 0.5),
-    # An island's whole round applied at once wants a smaller lr and more
-    # momentum than the share's averaging (experiments/eager_own_weight.py:
-    # the best steps at weights 0.9 and 1 form a plateau around this one).
-    "eager": (0.5, 0.7),
-    "eager_share": (1.0, 0.0),
-}
+# (learning rate, momentum) of outer Nesterov per config.diloco.overlap, and
+# eager updates' warm-up rounds: the library's outer object takes the same
+# measured tables.
+from diloco_jax.algorithm.outer_overlaps import (  # pylint: disable=unused-import
+    NESTEROV_DEFAULTS, WARMUP_ROUNDS_DEFAULTS)
+
 # Other outer optimizers ('sgd', 'momentum', 'adam') are not overlap-tuned.
 OTHER_DEFAULTS = NESTEROV_DEFAULTS["none"]
-
-# The rounds at a run's start that wait for their own mean before eager
-# updates begin, when config.diloco.overlap_warmup_rounds is unset. The
-# first rounds move the model most, and the islands' spread under eager
-# updates costs most there (experiments/eager_warmup.py: on
-# configs/study.py, 6 seeds, from +3.3% perplexity against no overlap with
-# none to +2.3% with 2). The paper's rule ('eager_share') starts at once.
-WARMUP_ROUNDS_DEFAULTS = {"eager": 2}
 
 
 def warmup_rounds(diloco: ml_collections.ConfigDict) -> int:

@@ -15,8 +15,10 @@ import ml_collections
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import library
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import participation as participation_lib
 from diloco_jax.algorithm import schedule as schedule_lib
+from diloco_jax.config import overlap_defaults
 from diloco_jax.data import settings as data_settings
 from diloco_jax.parallel import stages as stages_lib
 
@@ -139,6 +141,26 @@ def is_streaming(diloco_config) -> bool:
   is DiLoCo's own outer step)."""
   return (diloco_config.fragments > 1 or diloco_config.fragment_delay > 0
           or diloco_config.fragment_alpha > 0)
+
+
+def overlap(diloco_config) -> outer_overlaps.Overlap:
+  """The outer object's overlap config.diloco describes: Streaming
+  DiLoCo's fragments, or config.diloco.overlap with eager updates' own
+  weight and warm-up rounds (their defaults where unset)."""
+  d = diloco_config
+  if is_streaming(d):
+    return outer_overlaps.streaming(d.fragments, d.fragment_delay,
+                                    d.fragment_alpha)
+  if d.overlap == "none":
+    return outer_overlaps.no_overlap()
+  if d.overlap in ("one_step_delay", "one_step_delay_rebase"):
+    return outer_overlaps.one_step_delay(
+        rebase=d.overlap == "one_step_delay_rebase")
+  own_weight = None
+  if d.overlap == "eager":
+    own_weight = (1.0 if d.get("eager_own_weight") is None
+                  else d.eager_own_weight)
+  return outer_overlaps.eager(own_weight, overlap_defaults.warmup_rounds(d))
 
 
 def compression(diloco_config) -> compression_lib.Compression:

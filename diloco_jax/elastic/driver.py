@@ -99,8 +99,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       if problem:
         logging.warning("%s", problem)
       joined, left = fleet.set_members(members)
-      calls = fleet.start_round(ray.put(coordinator.x), round_number,
-                                coordinator.data_states, steps)
+      calls = fleet.start_round(_start_refs(coordinator, members),
+                                round_number, coordinator.data_states,
+                                steps)
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
@@ -119,9 +120,14 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
                     stale={i: round_number - result["round"] for i, result
                            in came_back.results.items()
                            if included[i] and result["round"] < round_number})
+      if round_number == rounds:
+        # The mean still in flight applied, or eager islands settled,
+        # before the last round's eval (as the SPMD runs do); checkpointed
+        # with the round.
+        coordinator.finish()
       every = config.eval.every_rounds
       if round_number == rounds or (every and round_number % every == 0):
-        record["eval_loss"] = evaluate(coordinator.x)
+        record["eval_loss"] = evaluate(coordinator.model())
       # The record first, then the checkpoint: a rerun after a kill in
       # between drops the records of rounds it did not checkpoint.
       metrics.write(json.dumps(record) + "\n")
@@ -147,6 +153,15 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
+
+
+def _start_refs(coordinator, members: list[int]) -> dict:
+  """island -> the Ray object its round starts from: x put once for all,
+  or each member's own point."""
+  if coordinator.shared_start:
+    x = ray.put(coordinator.x)
+    return {i: x for i in members}
+  return {i: ray.put(coordinator.start(i)) for i in members}
 
 
 def _keep_records_up_to(path: str, rounds_done: int) -> None:

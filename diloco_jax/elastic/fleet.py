@@ -45,17 +45,18 @@ class Fleet:
       self._programs[i] = self._launch(i)
     return joined, left
 
-  def start_round(self, x, round_number: int, data_states: list,
+  def start_round(self, starts: dict, round_number: int, data_states: list,
                   steps: int) -> dict:
-    """This round's calls (ObjectRef -> island): a new one per member,
-    but for an island still training an earlier round, whose late result
+    """This round's calls (ObjectRef -> island): a new one per member
+    from its start (`starts`: island -> the params it starts from), but
+    for an island still training an earlier round, whose late result
     counts in this one."""
     self.calls = {ref: i for i, (ref, _) in self._in_flight.items()}
     self._started = {ref: r for ref, r in self._in_flight.values()}
     for i in self._programs:
       if i not in self._in_flight:
         ref = _train_call(self._programs[i], i in self._rejoining).remote(
-            x, round_number, data_states[i], steps,
+            starts[i], round_number, data_states[i], steps,
             self._applied.get(i, False))
         self.calls[ref], self._started[ref] = i, round_number
     return self.calls

@@ -139,7 +139,7 @@ class IslandProgram:
     error-feedback residual (zero at a fresh start: a restarted island's
     residual is gone with its process)."""
     compression = run_spec.compression
-    self._encodes = payloads.encoded_on_island(compression)
+    self._encodes = payloads.encoded_on_island(run_spec.outer)
     self._residual = self._pending_residual = None
     self._rounding_seed = (config.seed if config.diloco.stochastic_rounding
                            else None)

@@ -24,9 +24,14 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.codecs import dense
 
 
-def encoded_on_island(compression: compression_lib.Compression) -> bool:
-  """Whether islands encode their pseudo-gradients themselves."""
-  return compression.is_dense and not compression.is_identity
+def encoded_on_island(outer) -> bool:
+  """Whether islands encode their pseudo-gradients themselves under the
+  outer object `outer`: with a dense codec that compresses, unless each
+  island keeps a point of its own (the delay with rebase, eager updates),
+  whose rebase or own step at the coordinator needs its params."""
+  compression = compression_lib.as_compression(outer.codec)
+  return (compression.is_dense and not compression.is_identity
+          and not outer.keeps_island_points)
 
 
 def flatten(tree) -> jax.Array:

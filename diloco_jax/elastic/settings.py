@@ -39,8 +39,8 @@ class ElasticSettings:
 # step at the coordinator.
 _NOT_YET = (
     ("mode", "diloco", "elastic islands run DiLoCo"),
-    ("diloco.overlap", "none", "elastic rounds apply each mean at once"),
-    ("diloco.fragments", 1, "elastic rounds sync the whole model"),
+    ("diloco.fragments", 1, "elastic rounds sync the whole model: "
+     "Streaming DiLoCo's staggered sends are not elastic yet"),
     ("diloco.outer_placement", "device",
      "the coordinator holds the outer state"),
     ("diloco.drop_probability", 0.0,

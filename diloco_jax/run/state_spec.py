@@ -15,6 +15,8 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import stage_fragments
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
@@ -53,6 +55,15 @@ class StateSpec:
   overlap: str = "none"
   fragments: int = 0
   layout: stages_lib.StageLayout | None = None
+  outer_overlap: outer_overlaps.Overlap = outer_overlaps.NoOverlap()
+
+  @property
+  def outer(self) -> outer_lib.DiLoCo:
+    """The run's outer algorithm as the library's object: its outer
+    optimizer, codec, error feedback and overlap."""
+    return outer_lib.DiLoCo(self.outer_opt,
+                            compression_lib.as_compression(self.compression),
+                            self.outer_overlap, self.error_feedback)
 
   def init(self, params) -> state_lib.TrainState:
     """The logical state with every island and x at `params` (traceable)."""
@@ -129,7 +140,9 @@ def for_config(config, islands: int | None = None,
       overlap=diloco.overlap if mode == "diloco" else "none",
       fragments=(diloco.fragments if mode == "diloco"
                  and run_config_lib.is_streaming(diloco) else 0),
-      layout=layout)
+      layout=layout,
+      outer_overlap=(run_config_lib.overlap(diloco) if mode == "diloco"
+                     else outer_overlaps.NoOverlap()))
 
 
 

@@ -1,0 +1,74 @@
+"""The outer object's argument checks (outer.py calls them): each misuse
+one plain ValueError or TypeError naming what is wrong and the fix, raised
+before it reaches jax.vmap or a collective. They read shapes, structures
+and the state's recipe only, so they work under jit too."""
+
+from diloco_jax.algorithm import library_checks
+from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_state
+
+
+def check_state(outer, state, function: str) -> None:
+  """`state` is an OuterState made by an object equal to `outer`."""
+  if not isinstance(state, outer_state.OuterState):
+    raise TypeError(f"{function}: state is a {type(state).__name__}, not "
+                    "an OuterState: make it with outer.init(params, "
+                    "num_islands)")
+  if state.recipe is None or (state.recipe.codec, state.recipe.overlap,
+                              state.recipe.error_feedback) != (
+                                  outer.codec, outer.overlap,
+                                  outer.error_feedback):
+    made = "nothing" if state.recipe is None else state.recipe.describe()
+    this = outer_state.Recipe(outer.codec, outer.overlap,
+                              outer.error_feedback).describe()
+    raise ValueError(
+        f"{function}: the state was made by another outer object "
+        f"({made}), this one has {this}: make the state with this "
+        "object's init, or call the object that made it")
+
+
+def check_update(outer, params, island_params, state, weights, axis_name,
+                 fragment, function: str) -> bool:
+  """Every argument against the others; returns whether stacked."""
+  check_state(outer, state, function)
+  stacked = state.included.ndim == 1
+  check_form(stacked, axis_name, function)
+  if isinstance(outer.overlap, outer_overlaps.Streaming):
+    if fragment is None:
+      raise ValueError(
+          f"{function}: streaming sends one fragment at a time: give "
+          f"fragment=p (0..{outer.overlap.num_fragments - 1}, e.g. from "
+          "outer.schedule(step, ...))")
+    library_checks.check_fragment(fragment, outer.overlap.num_fragments,
+                                  function)
+  elif fragment is not None:
+    raise ValueError(f"{function}: fragment={fragment!r} with overlap "
+                     f"{outer.overlap}: only streaming(...) sends "
+                     "fragments; leave fragment out")
+  k = library_checks.check_update(
+      params, island_params, residuals=state.residuals,
+      codec_state=state.codec_state, weights=weights,
+      compression=outer.codec, axis_name=axis_name, made_by="outer.init",
+      used_by=f"outer.{function}")
+  if stacked and k != state.included.shape[0]:
+    raise ValueError(
+        f"{function}: island_params hold {k} islands but the state was "
+        f"made for {state.included.shape[0]}: give every island's params "
+        f"stacked [k, ...], or make the state with init(params, {k})")
+  return stacked
+
+
+def check_form(stacked: bool, axis_name, function: str) -> None:
+  """A stacked state goes with axis_name None, one island's with one."""
+  if stacked and axis_name is not None:
+    raise ValueError(
+        f"{function}: axis_name={axis_name!r} but the state is stacked "
+        "(made with num_islands=k): inside shard_map give each device "
+        "this_island(state) (with island_specs(state, axis) as its spec), "
+        "or leave axis_name out for the stacked form")
+  if not stacked and axis_name is None:
+    raise ValueError(
+        f"{function}: the state is one island's (made with "
+        "num_islands=None), so this runs per island: inside shard_map or "
+        "pmap give axis_name=<the islands' mesh axis>; for stacked islands "
+        "[k, ...] make the state with init(params, num_islands=k)")
