@@ -145,3 +145,100 @@ def test_the_config_check_sees_an_import_and_a_section(tmp_path):
   assert _config_reads(module) == ["m.py:1: imports ml_collections",
                                    "m.py:2: takes inner_config",
                                    "m.py:2: takes config"]
+
+
+# The run and elastic layers read config.diloco as RunConfig.diloco
+# (DiLoCoSettings, built once by config/run_config.py), not field by field
+# from a config. What stands before `.diloco` tells them apart: a RunConfig
+# under the name `run_config` (or an attribute `run_config`/`_run_config`)
+# is typed; any other `<something>.diloco.<field>` read (`config.diloco.X`,
+# `self._config.diloco.X`, `run_config.config.diloco.X`) is the raw field,
+# and a bare `<something>.diloco` hands the raw section on (an alias, or a
+# helper reading it).
+TYPED_DILOCO_HOLDERS = {"run_config", "_run_config"}
+DILOCO_READERS = ("run", "elastic")
+WHOLE_SECTION = "(whole section)"
+
+# The raw reads that stay: (module under diloco_jax/, field) -> why.
+# Writes are not reads: warm_start.py builds its pretraining config by
+# setting pretrain.diloco.* (no entry needed).
+RAW_DILOCO_READS = {
+    # outer_placement='host' splits the devices before validation, which
+    # counts the devices left to the islands: no RunConfig exists yet.
+    ("run/train.py", "get"): "pre-validation device split",
+    # The device count validate_config checks an elastic run with (one
+    # island's devices x the islands): no RunConfig exists yet.
+    ("elastic/__main__.py", "islands"): "pre-validation device count",
+    # state_spec.for_config builds a StateSpec from any config, the one a
+    # checkpoint recorded included (no RunConfig): a builder, as
+    # config/run_config.py's are.
+    ("run/state_spec.py", WHOLE_SECTION): "builds from a recorded config",
+}
+
+
+def _raw_diloco_reads(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, field) of every read of `<something>.diloco` in the module at
+  `path` whose <something> is not a RunConfig (TYPED_DILOCO_HOLDERS): the
+  field read from it (`.X`, `[...]` as '[]'), or WHOLE_SECTION where the
+  section itself is read. Writes (`config.diloco.X = ...`) and calls (a
+  function named diloco) are left out."""
+  tree = ast.parse(path.read_text(), str(path))
+  fields = {}  # id of a `.diloco` node -> what is read from it, or None
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Attribute, ast.Subscript)):
+      inner, loads = node.value, isinstance(node.ctx, ast.Load)
+      field = node.attr if isinstance(node, ast.Attribute) else "[]"
+    elif isinstance(node, ast.Call):
+      inner, loads, field = node.func, False, None
+    else:
+      continue
+    if isinstance(inner, ast.Attribute) and inner.attr == "diloco":
+      fields[id(inner)] = field if loads else None
+  found = []
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Attribute) and node.attr == "diloco"
+            and isinstance(node.ctx, ast.Load)):
+      continue
+    holder = node.value
+    holder_name = (holder.id if isinstance(holder, ast.Name) else
+                   holder.attr if isinstance(holder, ast.Attribute) else None)
+    field = fields.get(id(node), WHOLE_SECTION)
+    if holder_name not in TYPED_DILOCO_HOLDERS and field is not None:
+      found.append((node.lineno, field))
+  return sorted(found)
+
+
+def test_the_run_and_elastic_layers_read_config_diloco_typed():
+  """run/ and elastic/ read run_config.diloco (DiLoCoSettings); each raw
+  read left is in RAW_DILOCO_READS, and each entry there is still needed."""
+  raw, used = [], set()
+  for layer in DILOCO_READERS:
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+      module = path.relative_to(PACKAGE).as_posix()
+      for line, field in _raw_diloco_reads(path):
+        if (module, field) in RAW_DILOCO_READS:
+          used.add((module, field))
+        else:
+          raw.append(f"diloco_jax/{module}:{line}: .diloco {field}")
+  assert not raw, (
+      "raw config.diloco reads in run/ or elastic/ (read run_config.diloco, "
+      "adding a DiLoCoSettings field where one is missing):\n"
+      + "\n".join(raw))
+  stale = sorted(set(RAW_DILOCO_READS) - used)
+  assert not stale, f"RAW_DILOCO_READS entries no longer needed: {stale}"
+
+
+def test_the_diloco_check_tells_raw_reads_from_typed_ones(tmp_path):
+  module = tmp_path / "m.py"
+  module.write_text(
+      "def f(config, run_config, setup, self, library):\n"
+      "  a = config.diloco.inner_steps\n"
+      "  b = run_config.config.diloco.codec\n"
+      "  c = self._config.diloco['overlap']\n"
+      "  d = config.diloco\n"
+      "  e = run_config.diloco.inner_steps + run_config.diloco.codec\n"
+      "  f = setup.run_config.diloco.codec + self._run_config.diloco.codec\n"
+      "  config.diloco.fragments = 1\n"
+      "  return library.diloco(codec=None)\n")
+  assert _raw_diloco_reads(module) == [
+      (2, "inner_steps"), (3, "codec"), (4, "[]"), (5, WHOLE_SECTION)]

@@ -394,7 +394,14 @@ def _outer_misuses():
       "sparseloco without error feedback": (
           lambda: diloco.diloco(codec=diloco.codec("sparseloco"),
                                 error_feedback=False), ValueError,
-          r"needs error_feedback=True"),
+          r"diloco\(codec=<sparseloco codec>, error_feedback=False\): "
+          r".* leave error_feedback unset"),
+      "another outer optimizer's state": (
+          lambda: int8.update(x, _islands(), diloco.diloco(
+              outer_tx=diloco.adam(0.1), codec=diloco.codec("int8")).init(
+                  x, K)), ValueError,
+          r"state.outer_opt_state is not this object's outer optimizer's "
+          r"state .* made with another outer_tx"),
       "an overlap that is not one": (
           lambda: diloco.diloco(overlap="one_step_delay"), TypeError,
           r"overlap='one_step_delay': give no_overlap\(\), "

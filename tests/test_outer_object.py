@@ -1,12 +1,16 @@
-"""The outer object (diloco(...), algorithm/outer.py) against the trainer's
-compiled outer step, and at its defaults on a model that is not ours.
+"""The outer object (diloco(...), algorithm/outer.py) in the library's
+form against the same object run by the trainer's compiled outer step,
+and at its defaults on a model that is not ours.
 
 Each overlap's rounds of given island params through `outer.update` and
-`outer.finish` give the x and the islands' starts that make_outer_step
-and make_flush give on a TrainState (the on-device runtime), stacked and
-per island inside shard_map. Both run the same float32 arithmetic
-(sync_island and outer_step's pieces); they differ only in how XLA fuses
-it, so rtol 1e-6 allows a few ulps of reassociation.
+`outer.finish` (the library's collective, a jax.vmap over stacked
+islands, or shard_map per island) give the x and the islands' starts that
+make_outer_step and make_flush give on a TrainState (the island mesh's
+collective, the object applied to the TrainState's outer fields). Both
+run the same float32 arithmetic; they differ only in how XLA fuses it, so
+rtol 1e-6 allows a few ulps of reassociation. That the object computes
+what the outer step computed before it existed is
+tests/test_outer_numerics.py's (a fixture recorded from the code before).
 """
 import jax
 import jax.numpy as jnp
@@ -246,10 +250,13 @@ def _train(rounds: int, **options) -> tuple[float, float]:
     key, *keys = jax.random.split(key, k + 1)
     islands, inner_states = inner_step(islands, inner_states,
                                        jnp.stack(keys))
-    if streaming:  # fragment_delay 0: each send merges at once
-      for _, p in outer.schedule(step, inner_steps=inner_steps,
-                                 total_steps=rounds * inner_steps):
-        x, islands, state = update(x, islands, state, fragment=p)
+    if streaming:
+      for kind, p in outer.schedule(step, inner_steps=inner_steps,
+                                    total_steps=rounds * inner_steps):
+        if kind == "send":
+          x, islands, state = update(x, islands, state, fragment=p)
+        else:
+          islands = outer.merge(x, islands, state, fragment=p)
     elif step % inner_steps == 0:
       x, islands, state = update(x, islands, state)
   x, _, state = outer.finish(x, state)

@@ -11,7 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
 from diloco_jax.algorithm import fragments
+from diloco_jax.algorithm import library
 from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer_views
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
@@ -57,9 +59,10 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                          inner_opt=inner_opt, overlap=overlap,
                                          eager_own_weight=own_weight,
                                          warmup_rounds=warmup)
-  host = host_outer.build(outer_devices, islands, mesh, outer_opt,
-                          compression, inner_opt, overlap=overlap,
-                          eager_own_weight=own_weight, warmup_rounds=warmup)
+  host = host_outer.build(outer_devices, islands, mesh,
+                          outer_views.from_settings(
+                              outer_opt, compression, overlap, own_weight,
+                              warmup), inner_opt)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
     host.compile_in_background(placement.with_shardings(
@@ -111,9 +114,8 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   mesh = mesh_lib.build_mesh(islands, devices=compute)
   shardings = state_lib.state_shardings(state, mesh)
   on_device = jax.device_put(state, shardings)
-  host = host_outer.build(outer_devices, islands, mesh, outer_opt,
-                          compression, inner_opt,
-                          fragments=num_fragments)
+  host = host_outer.build(outer_devices, islands, mesh, library.diloco(
+      outer_opt, compression, library.streaming(num_fragments)), inner_opt)
   on_host = host.load(jax.device_put(state, shardings))
   stripped_shardings = state_lib.state_shardings(on_host, mesh)
   sends = [fragments.make_fragment_send(outer_opt, mesh, num_fragments, p,

@@ -28,7 +28,7 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import island_sync as island_sync_lib
-from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import state as state_lib
 
 
@@ -170,15 +170,12 @@ def make_send_parts(outer_opt: optax.GradientTransformation, sync):
     mean, residuals, codec_state, included, _ = sync(
         parts.x, island_leaves, parts.residuals, parts.codec_state, weights,
         send_index)
-    anyone = jnp.any(included)
-    x, outer_state = outer_step_lib.outer_update(
-        outer_opt, parts.x, parts.outer_opt_state, mean, anyone)
-    return FragmentParts(
-        x, outer_state,
-        residuals,  # an island left out keeps its own (make_island_sync)
-        (None if codec_state is None
-         else outer_step_lib.keep_unless(anyone, codec_state,
-                                         parts.codec_state)))
+    x, outer_state, codec_state = outer_rules.fragment_step(
+        outer_opt, parts.x, parts.outer_opt_state,
+        None if codec_state is None else (parts.codec_state, codec_state),
+        mean, jnp.any(included))
+    # An island left out keeps its own residual (make_island_sync).
+    return FragmentParts(x, outer_state, residuals, codec_state)
 
   return send
 

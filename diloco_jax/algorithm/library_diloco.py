@@ -3,8 +3,6 @@ optimizers, the codecs by name, the islands' compressed mean and the outer
 update with its one-step delay, each in both forms (stacked islands, or one
 island inside shard_map with `axis_name`).
 """
-from typing import NamedTuple
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -12,15 +10,14 @@ import optax
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
-from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import library_checks
-from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm.island_mean import IslandMean, island_mean  # pylint: disable=unused-import
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.codecs import lowrank
 
-# The islands' axis name of the stacked form (a jax.vmap inside).
-_STACKED_AXIS = "diloco_islands"
 
 
 def nesterov(learning_rate: float = 0.7,
@@ -237,20 +234,39 @@ def outer_update(global_params, island_params, state: DiLoCoState,
       global_params, island_params, weights=weights,
       residuals=state.residuals, codec_state=state.codec_state,
       compression=compression, axis_name=axis_name, key=key)
-  state = state.replace(
-      residuals=synced.residuals, round=state.round + 1,
-      codec_state=outer_step_lib.keep_unless(
-          synced.anyone, synced.codec_state, state.codec_state))
-  if state.in_flight is None:
-    x, outer_opt_state = outer_step_lib.outer_update(
-        outer_tx, global_params, state.outer_opt_state, synced.mean,
-        synced.anyone)
-    return x, state.replace(outer_opt_state=outer_opt_state), synced.included
-  # One-step delay: x steps on last round's mean; this round's waits.
-  x, state = flush(global_params, state, outer_tx)
-  return x, state.replace(
-      in_flight=jax.tree.map(lambda m: m.astype(jnp.float32), synced.mean),
-      in_flight_valid=synced.anyone), synced.included
+  # The outer object's step (outer.py) on that mean, the same as every
+  # runtime's.
+  algorithm = _algorithm(outer_tx, compression, state)
+  x, outer_state = algorithm.land(global_params,
+                                  _outer_state(state, synced.included))
+  x, outer_state = algorithm.take(x, outer_state, synced)
+  return x, _from_outer_state(outer_state), synced.included
+
+
+def _algorithm(outer_tx, compression, state: DiLoCoState) -> outer_lib.DiLoCo:
+  """The outer object a DiLoCoState stands for (the one-step delay when it
+  holds a slot in flight)."""
+  return outer_lib.DiLoCo(
+      outer_tx, compression_lib.as_compression(compression),
+      (outer_overlaps.OneStepDelay() if state.in_flight is not None
+       else outer_overlaps.NoOverlap()),
+      error_feedback=state.residuals is not None)
+
+
+def _outer_state(state: DiLoCoState, included) -> outer_lib.OuterState:
+  return outer_lib.OuterState(
+      round=state.round, included=included,
+      outer_opt_state=state.outer_opt_state, codec_state=state.codec_state,
+      residuals=state.residuals, in_flight=state.in_flight,
+      in_flight_valid=state.in_flight_valid)
+
+
+def _from_outer_state(outer_state: outer_lib.OuterState) -> DiLoCoState:
+  return DiLoCoState(
+      outer_opt_state=outer_state.outer_opt_state,
+      codec_state=outer_state.codec_state, residuals=outer_state.residuals,
+      round=outer_state.round, in_flight=outer_state.in_flight,
+      in_flight_valid=outer_state.in_flight_valid)
 
 
 def pseudo_gradients(global_params, island_params):
@@ -261,28 +277,6 @@ def pseudo_gradients(global_params, island_params):
   return jax.tree.map(
       lambda x, y: (x[None] if stacked else x) - y, global_params,
       island_params)
-
-
-class IslandMean(NamedTuple):
-  """What `pseudo_gradient_mean` returns.
-
-  Attributes:
-    mean: the weighted mean of the pseudo-gradients through the codec
-      (params-shaped, one copy; accumulated in float32).
-    residuals: each island's new error-feedback residual (what its codec
-      left unsent; [k, ...] or this island's), or None.
-    codec_state: the codec's next state (the same for every island).
-    included: whether each island took part ([k] or a scalar): weight > 0
-      and a finite pseudo-gradient.
-    finite: whether each island's pseudo-gradient was finite.
-    anyone: whether any island took part (a scalar, the same everywhere).
-  """
-  mean: object
-  residuals: object
-  codec_state: object
-  included: jax.Array
-  finite: jax.Array
-  anyone: jax.Array
 
 
 def pseudo_gradient_mean(reference, island_params, *, weights=None,
@@ -333,47 +327,10 @@ def pseudo_gradient_mean(reference, island_params, *, weights=None,
                      stacked_reference=stacked_reference)
 
 
-def island_mean(reference, island_params, *, weights=None, residuals=None,
-                codec_state=None, compression=None, axis_name=None,
-                key=None, stacked_reference=False) -> IslandMean:
-  """`pseudo_gradient_mean` without its argument checks (the library's
-  updates check their own arguments first, with their own names)."""
-  compression = compression_lib.as_compression(compression)
-  if axis_name is not None:
-    weight = jnp.asarray(1.0 if weights is None else weights, jnp.float32)
-    out = island_sync_lib.sync_island(reference, island_params, residuals,
-                                      codec_state, weight, compression, key,
-                                      axes=axis_name)
-    anyone = jax.lax.psum(out[3].astype(jnp.int32), axis_name) > 0
-    return IslandMean(*out, anyone)
-  num_islands = jax.tree.leaves(island_params)[0].shape[0]
-  weights = (jnp.ones((num_islands,), jnp.float32) if weights is None
-             else jnp.asarray(weights, jnp.float32))
-  keys = None if key is None else jax.random.split(key, num_islands)
-  sync = jax.vmap(
-      lambda x, y, e, w, k: island_sync_lib.sync_island(
-          x, y, e, codec_state, w, compression, k, axes=_STACKED_AXIS),
-      in_axes=(0 if stacked_reference else None, 0,
-               None if residuals is None else 0, 0,
-               None if keys is None else 0),
-      axis_name=_STACKED_AXIS)
-  mean, residuals, codec_state, included, finite = sync(
-      reference, island_params, residuals, weights, keys)
-  first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-  return IslandMean(first(mean), residuals, first(codec_state), included,
-                    finite, jnp.any(included))
-
-
 def flush(global_params, state: DiLoCoState,
           outer_tx: optax.GradientTransformation):
   """With the one-step delay: (x, state) after the mean in flight is
   applied (call it after the last round); without it, unchanged."""
-  if state.in_flight is None:
-    return global_params, state
-  x, outer_opt_state = outer_step_lib.outer_update(
-      outer_tx, global_params, state.outer_opt_state, state.in_flight,
-      state.in_flight_valid)
-  return x, state.replace(
-      outer_opt_state=outer_opt_state,
-      in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
-      in_flight_valid=jnp.zeros((), bool))
+  x, outer_state = _algorithm(outer_tx, None, state).land(
+      global_params, _outer_state(state, jnp.ones((), bool)))
+  return x, _from_outer_state(outer_state)

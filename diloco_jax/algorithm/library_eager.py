@@ -13,7 +13,9 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import library_diloco
-from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_state as outer_state_lib
 from diloco_jax.algorithm import state as state_lib
 
 
@@ -110,32 +112,50 @@ def eager_update(points, island_params, state: EagerState,
       points, island_params, weights=weights, residuals=state.residuals,
       codec_state=state.codec_state, compression=compression,
       axis_name=axis_name, key=key, stacked_reference=True)
-  weights = jnp.broadcast_to(
-      jnp.asarray(1.0 if weights is None else weights, jnp.float32),
-      synced.included.shape)
-  # The share rule's total is over the weights every island knows before
-  # the collective (the stacked form's sum of `weights`).
-  total = None if stacked else jax.lax.psum(weights, axis_name)
-  mean = jax.tree.map(lambda m: m.astype(jnp.float32), synced.mean)
-  # The stacked rule with one island on its axis, in the per-island form.
-  one = (lambda tree: tree) if stacked else (
-      lambda tree: jax.tree.map(lambda a: a[None], tree))
-  new_points, outer_states, shares = outer_step_lib.eager_steps(
-      outer_tx, one(points), one(island_params),
-      one(state.outer_opt_states), one(state.own_shares), state.in_flight,
-      state.in_flight_valid, one(weights),
-      one(synced.finite & (weights > 0)), own_weight=own_weight,
-      waited=(True, mean, synced.anyone) if wait else None,
-      total_weight=total)
-  unone = (lambda tree: tree) if stacked else (
-      lambda tree: jax.tree.map(lambda a: a[0], tree))
-  return unone(new_points), state.replace(
-      outer_opt_states=unone(outer_states), residuals=synced.residuals,
-      codec_state=outer_step_lib.keep_unless(
-          synced.anyone, synced.codec_state, state.codec_state),
-      round=state.round + 1, in_flight=mean,
-      in_flight_valid=synced.anyone,
-      own_shares=unone(shares)), synced.included
+  # The outer object's eager step (outer.py) on that mean, the same as
+  # every runtime's; this round waits for its own mean if `wait`.
+  algorithm = _algorithm(outer_tx, compression, state, own_weight)
+  outer_state = _outer_state(state, points, synced.included)
+  landed = (outer_state.in_flight, outer_state.in_flight_valid)
+  _, outer_state = algorithm.take(None, outer_state, synced)
+  points, outer_state = algorithm.start(
+      None, island_params, outer_state, included=synced.included,
+      landed=landed, weights=weights, axis_name=axis_name, wait=bool(wait))
+  return points, _from_outer_state(outer_state), synced.included
+
+
+def _algorithm(outer_tx, compression, state: EagerState,
+               own_weight: float | None = 1.0) -> outer_lib.DiLoCo:
+  """The outer object an EagerState stands for."""
+  return outer_lib.DiLoCo(
+      outer_tx, compression_lib.as_compression(compression),
+      outer_overlaps.Eager(own_weight), error_feedback=(
+          state.residuals is not None))
+
+
+def _outer_state(state: EagerState, points, included,
+                 algorithm: outer_lib.DiLoCo | None = None
+                 ) -> outer_lib.OuterState:
+  """The OuterState an EagerState and its points stand for (with
+  `algorithm`, recorded as made by it)."""
+  recipe = None if algorithm is None else outer_state_lib.Recipe(
+      algorithm.codec, algorithm.overlap, algorithm.error_feedback)
+  return outer_lib.OuterState(
+      recipe=recipe,
+      round=state.round, included=included,
+      outer_opt_state=state.outer_opt_states, codec_state=state.codec_state,
+      residuals=state.residuals, in_flight=state.in_flight,
+      in_flight_valid=state.in_flight_valid, anchors=points,
+      own_shares=state.own_shares)
+
+
+def _from_outer_state(outer_state: outer_lib.OuterState) -> EagerState:
+  return EagerState(
+      outer_opt_states=outer_state.outer_opt_state,
+      codec_state=outer_state.codec_state, residuals=outer_state.residuals,
+      round=outer_state.round, in_flight=outer_state.in_flight,
+      in_flight_valid=outer_state.in_flight_valid,
+      own_shares=outer_state.own_shares)
 
 
 def eager_settle(points, state: EagerState,
@@ -145,19 +165,17 @@ def eager_settle(points, state: EagerState,
   the rest of it, and the islands' average is the model: (x, its outer
   optimizer state), the same on every island in the per-island form."""
   _check_points(points, state, axis_name, "eager_settle")
-  if axis_name is None:
-    points, outer_states = outer_step_lib.eager_last_steps(
-        outer_tx, points, state.outer_opt_states, state.own_shares,
-        state.in_flight, state.in_flight_valid)
-    return (state_lib.islands_average(points),
-            state_lib.islands_average(outer_states))
-  one = lambda tree: jax.tree.map(lambda a: a[None], tree)
-  points, outer_states = outer_step_lib.eager_last_steps(
-      outer_tx, one(points), one(state.outer_opt_states),
-      one(state.own_shares), state.in_flight, state.in_flight_valid)
-  average = lambda tree: jax.tree.map(
-      lambda a: _mean_over(a[0], axis_name), tree)
-  return average(points), average(outer_states)
+  # The outer object's finish (outer.py): the runtimes' end of a run.
+  algorithm = _algorithm(outer_tx, None, state)
+  included = (jnp.ones((jax.tree.leaves(points)[0].shape[0],), bool)
+              if axis_name is None else jnp.ones((), bool))
+  update = algorithm.finish(
+      None, _outer_state(state, points, included, algorithm),
+      axis_name=axis_name)
+  outer_state = update.state.outer_opt_state
+  if axis_name is None:  # the average's copies, one per island
+    outer_state = jax.tree.map(lambda a: a[0], outer_state)
+  return update.params, outer_state
 
 
 def _check_points(points, state: EagerState, axis_name, function: str):
@@ -170,12 +188,3 @@ def _check_points(points, state: EagerState, axis_name, function: str):
       state.own_shares, points, "state.own_shares", "points",
       f"{function}: make the state with eager_init(..., num_islands=k) for "
       "the stacked form's k islands, or num_islands=None per island")
-
-
-def _mean_over(leaf, axis_name):
-  """The islands' mean of `leaf` (float mean for floats; integer leaves,
-  such as an optimizer's step count, are the same on every island)."""
-  if jnp.issubdtype(leaf.dtype, jnp.floating):
-    return jax.lax.pmean(leaf.astype(jnp.float32),
-                         axis_name).astype(leaf.dtype)
-  return leaf

@@ -7,13 +7,12 @@
       x, islands, state = outer.update(x, islands, state)
     x, islands, state = outer.finish(x, state)
 
-`diloco(outer_tx, codec, overlap, error_feedback)` fixes what the outer
-step is: the outer optimizer (None: the one measured for the overlap),
-what crosses the link, and how the step meets the islands' training
-(outer_overlaps.py). The object's state holds everything that changes
-from round to round (the outer optimizer's, the codec's, error feedback's
-residuals, the mean in flight, each island's own point), and it remembers
-which object made it, so nothing is given twice.
+`diloco(outer_tx, codec, overlap, error_feedback)` fixes the outer step
+(outer_overlaps.py: the overlaps and their measured outer optimizers); its
+state (outer_state.py) holds what changes from round to round and
+remembers which object made it, so nothing is given twice. Every runtime
+runs it: the compiled on-device step (outer_step.py), the outer side on
+devices of its own (run/host_outer.py), the elastic coordinator.
 
 Every call works in two forms: stacked (islands' trees [k, ...],
 `init(x, k)`, axis_name=None) and per island (inside shard_map, one
@@ -30,15 +29,17 @@ import optax
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import island_mean as island_mean_lib
 from diloco_jax.algorithm import library_checks
-from diloco_jax.algorithm import library_diloco
-from diloco_jax.algorithm import library_streaming
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_checks
+from diloco_jax.algorithm import outer_eager
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_state
-from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.algorithm import streaming_rules
 
 # The state and what update returns, beside the object that makes them.
 OuterState = outer_state.OuterState
@@ -67,8 +68,7 @@ class DiLoCo:
     return self._anchored
 
   def without_error_feedback(self) -> "DiLoCo":
-    """This algorithm with its residuals kept elsewhere (islands that
-    encode their own pseudo-gradients keep theirs)."""
+    """This algorithm, its residuals kept elsewhere (on the islands)."""
     return dataclasses.replace(self, error_feedback=False)
 
   @property
@@ -104,9 +104,9 @@ class DiLoCo:
     assignment = None
     if self._streaming:
       assignment = self.overlap.assignment or (
-          library_streaming.fragment_assignment(params,
+          streaming_rules.fragment_assignment(params,
                                                 self.overlap.num_fragments))
-      library_streaming.check_assignment(params, assignment,
+      streaming_rules.check_assignment(params, assignment,
                                          self.overlap.num_fragments)
       outer_opt_state = tuple(
           self.outer_tx.init(fragments_lib.select(params, assignment, f))
@@ -157,8 +157,20 @@ class DiLoCo:
     outer_checks.check_update(self, params, island_params, state, weights,
                               axis_name, fragment, "update")
     if self._streaming:
-      return self._send(params, island_params, state, weights, key,
-                        axis_name, fragment)
+      # One fragment's mean and outer step (its residuals and codec state
+      # only), merged at once with no fragment_delay.
+      sent = streaming_rules.send_fragment(
+          params, island_params, state.outer_opt_state, state.codec_state,
+          state.residuals, state.recipe.assignment, fragment, self.outer_tx,
+          weights=weights, compression=self.codec, axis_name=axis_name,
+          key=key)
+      state = state.replace(
+          outer_opt_state=sent.outer_opt_states, codec_state=sent.codec_state,
+          residuals=sent.residuals, included=sent.included,
+          round=state.round + 1)
+      return Update(sent.params, island_params if self.overlap.fragment_delay
+                    else self.merge(sent.params, island_params, state,
+                                    fragment=fragment), state)
     return self.apply(params, island_params, state,
                       self.mean(params, island_params, state,
                                 weights=weights, key=key,
@@ -167,70 +179,112 @@ class DiLoCo:
 
   def mean(self, params, island_params, state: OuterState, *, weights=None,
            key: jax.Array | None = None,
-           axis_name: str | None = None) -> library_diloco.IslandMean:
+           axis_name: str | None = None) -> island_mean_lib.IslandMean:
     """The round's collective alone: the islands' weighted mean of their
     pseudo-gradients (against x, or their anchors) through the codec,
     with error feedback. `apply` takes it from there; `update` is the
     two."""
+    outer_checks.check_state(self, state, "mean")
     reference = state.anchors if self._anchored else params
-    return library_diloco.island_mean(
+    return island_mean_lib.island_mean(
         reference, island_params, weights=weights, residuals=state.residuals,
         codec_state=state.codec_state, compression=self.codec,
         axis_name=axis_name, key=key, stacked_reference=self._anchored)
 
   def apply(self, params, island_params, state: OuterState,
-            synced: library_diloco.IslandMean, *, weights=None,
-            axis_name: str | None = None) -> Update:
+            synced: island_mean_lib.IslandMean, *, weights=None,
+            axis_name: str | None = None, stages: int = 1) -> Update:
     """The outer step on a round's mean formed elsewhere (`mean`'s, or one
     decoded from payloads the islands encoded themselves): the codec and
     residual state it carries taken, x stepped (or the mean put in
     flight), the islands' starts made. `island_params` are needed only
     where the islands keep their own progress (the delay with rebase,
-    eager updates); else None will do."""
-    form = outer_state.form_of(state, axis_name)
+    eager updates); else None will do. `stages` > 1: the trees are a
+    pipeline's, each params-shaped leaf with a leading stage axis after
+    any island axis, and each stage steps its own outer state."""
+    outer_checks.check_state(self, state, "apply")
+    landed = (state.in_flight, state.in_flight_valid)
+    x, state = self.land(params, state, stages=stages)
+    x, state = self.take(x, state, synced, stages=stages)
+    islands, state = self.start(
+        x, island_params, state, included=synced.included, landed=landed,
+        weights=weights, axis_name=axis_name, stages=stages)
+    return Update(x, islands, state)
+
+  # apply's three parts, for a runtime that runs them apart: x's side
+  # (land, take) where x lives, the islands' side (start) where they do.
+
+  def land(self, params, state: OuterState, *, stages: int = 1):
+    """The one-step delay's first part, (params, state): x steps on the
+    mean in flight, which is spent. It needs no island: the islands'
+    next round can start from this x while the round's collective is
+    still on its way. Other overlaps: as given."""
+    if not self._delayed or self._eager:
+      return params, state
+    return self._apply_in_flight(params, state, stages)
+
+  def take(self, params, state: OuterState,
+           synced: island_mean_lib.IslandMean, *, stages: int = 1):
+    """The round's mean into x's side, (params, state): the codec and
+    residual state it carries, the round counted, which islands took
+    part; then x steps on it (no overlap), or it waits in flight (the
+    delay, eager updates)."""
     state = state.replace(
         residuals=synced.residuals, round=state.round + 1,
         included=synced.included,
-        codec_state=outer_step_lib.keep_unless(
+        codec_state=outer_rules.keep_unless(
             synced.anyone, synced.codec_state, state.codec_state))
-    if self._eager:
-      return self._eager_steps(params, island_params, state, synced,
-                               weights, form)
     if not self._delayed:
-      x, outer_opt_state = outer_step_lib.outer_update(
+      x, outer_opt_state = outer_rules.outer_update(
           self.outer_tx, params, state.outer_opt_state, synced.mean,
-          synced.anyone)
-      return Update(x, form.copies(x),
-                    state.replace(outer_opt_state=outer_opt_state))
-    # The delay: x steps on the mean that has had this round to arrive;
-    # this round's waits in flight.
-    x, state = self._apply_in_flight(params, state)
-    state = state.replace(
+          synced.anyone, stages)
+      return x, state.replace(outer_opt_state=outer_opt_state)
+    return params, state.replace(
         in_flight=jax.tree.map(lambda m: m.astype(jnp.float32),
                                synced.mean),
         in_flight_valid=synced.anyone)
+
+  def start(self, params, island_params, state: OuterState, *, included,
+            landed=None, mean=None, weights=None,
+            axis_name: str | None = None, stages: int = 1,
+            wait: bool | None = None):
+    """The islands' side, (islands, state): where each island starts its
+    next round. From x (`params`, after `take`); with the rebasing delay
+    an island in `included` from x plus its progress since its anchor;
+    under eager updates each island steps its own point on `landed`, the
+    (mean, valid) that was in flight before `take`, its stale share
+    swapped for its fresh one (an island not in `included` adds no share
+    of its own), or in a warm-up round on this round's `mean` (default:
+    the state's in flight, as `take` left it). `state.round` counts this
+    round already; `wait` True or False says whether this round waits
+    instead (None: the overlap's warm-up rounds decide)."""
+    form = outer_state.form_of(state, axis_name, stages)
+    if self._eager:
+      return outer_eager.start(self.outer_tx, self.overlap, island_params,
+                               state, included, landed, mean, weights, form,
+                               wait)
     if not self._anchored:
-      return Update(x, form.copies(x), state)
+      return form.copies(params), state
     islands, anchors = overlap_lib.rebase(
-        form.one(island_params), form.one(state.anchors), x,
-        form.one(synced.included))
-    return Update(x, form.unone(islands),
-                  state.replace(anchors=form.unone(anchors)))
+        form.one(island_params), form.one(state.anchors), params,
+        form.one(included))
+    return form.unone(islands), state.replace(anchors=form.unone(anchors))
 
   def finish(self, params, state: OuterState, *,
-             axis_name: str | None = None) -> Update:
+             axis_name: str | None = None, stages: int = 1) -> Update:
     """The end of a run: the mean still in flight is applied (the delay),
     or the islands settle on their average point (eager), so every island
-    holds the final x and a run extended later starts anew. Streaming:
-    after the schedule's last sends and merges, as it is."""
+    holds the final x and a run extended later starts anew. Streaming
+    (after the schedule's last sends and merges): x as it is, every island
+    set to it. `stages` as in `apply`."""
     outer_checks.check_state(self, state, "finish")
     outer_checks.check_form(state.included.ndim == 1, axis_name, "finish")
-    form = outer_state.form_of(state, axis_name)
+    form = outer_state.form_of(state, axis_name, stages)
     if self._eager:
-      return self._settle(state, form)
+      return Update(*outer_eager.settle(self.outer_tx, state, form))
     x = params
     if self._delayed:
-      x, state = self._apply_in_flight(params, state)
+      x, state = self._apply_in_flight(params, state, form.stages)
       if self._anchored:
         state = state.replace(anchors=form.copies(x))
     return Update(x, form.copies(x), state)
@@ -261,31 +315,28 @@ class DiLoCo:
                        "merge belongs to diloco(overlap=streaming(...))")
     library_checks.check_fragment(fragment, self.overlap.num_fragments,
                                   "merge")
-    stacked = state.included.ndim == 1
-    library_checks.check_islands(params, island_params, stacked)
-    assignment = state.recipe.assignment
-    x = fragments_lib.select(params, assignment, fragment)
-    y = fragments_lib.select(island_params, assignment, fragment)
-    if not stacked:
-      y = [leaf[None] for leaf in y]
-    merged = fragments_lib.blend(x, y, self.overlap.alpha)
-    if not stacked:
-      merged = [leaf[0] for leaf in merged]
-    return fragments_lib.replace(island_params, assignment, fragment,
-                                 merged)
+    library_checks.check_islands(params, island_params,
+                                 state.included.ndim == 1)
+    return streaming_rules.merge_fragment(params, island_params,
+                                          state.recipe.assignment, fragment,
+                                          self.overlap.alpha)
 
   def schedule(self, step: int, *, inner_steps: int,
                total_steps: int) -> list[tuple[str, int]]:
     """Streaming: what to run after inner step `step` (1-based), in order:
-    ("send", p): `update(..., fragment=p)`; ("merge", p): `merge`."""
+    ("send", p): `update(..., fragment=p)`; ("merge", p): `merge`. With
+    fragment_delay 0 there are no merges: `update` merges at once."""
     if not self._streaming:
       raise ValueError(f"schedule: overlap {self.overlap} syncs the whole "
                        "model every inner_steps steps; schedule belongs to "
                        "streaming(...)")
-    return library_streaming.streaming_schedule(
+    actions = streaming_rules.streaming_schedule(
         step, inner_steps=inner_steps,
         num_fragments=self.overlap.num_fragments, total_steps=total_steps,
         fragment_delay=self.overlap.fragment_delay)
+    if self.overlap.fragment_delay == 0:
+      return [(kind, p) for kind, p in actions if kind == "send"]
+    return actions
 
   # The pieces.
 
@@ -293,86 +344,15 @@ class DiLoCo:
     return outer_state.Recipe(self.codec, self.overlap, self.error_feedback,
                               assignment)
 
-  def _apply_in_flight(self, x, state: OuterState):
+  def _apply_in_flight(self, x, state: OuterState, stages: int):
     """x steps on the mean in flight, which is then spent."""
-    x, outer_opt_state = outer_step_lib.outer_update(
+    x, outer_opt_state = outer_rules.outer_update(
         self.outer_tx, x, state.outer_opt_state, state.in_flight,
-        state.in_flight_valid)
+        state.in_flight_valid, stages)
     return x, state.replace(
         outer_opt_state=outer_opt_state,
         in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
         in_flight_valid=jnp.zeros((), bool))
-
-  def _eager_steps(self, params, island_params, state, synced, weights,
-                   form: outer_state.Form) -> Update:
-    """Each island's own outer step on the landed mean with its part
-    swapped (outer_step.eager_steps), the round's mean put in flight."""
-    weights = jnp.broadcast_to(
-        jnp.asarray(1.0 if weights is None else weights, jnp.float32),
-        synced.included.shape)
-    # The share rule's total is over the weights every island knows before
-    # the collective.
-    total = None if form.stacked else jax.lax.psum(weights, form.axis_name)
-    mean = jax.tree.map(lambda m: m.astype(jnp.float32), synced.mean)
-    waited = None
-    if self.overlap.warmup_rounds:
-      # state.round counts this round already.
-      waited = (state.round <= self.overlap.warmup_rounds, mean,
-                synced.anyone)
-    points, outer_states, shares = outer_step_lib.eager_steps(
-        self.outer_tx, form.one(state.anchors), form.one(island_params),
-        form.one(state.outer_opt_state), form.one(state.own_shares),
-        state.in_flight, state.in_flight_valid, form.one(weights),
-        form.one(synced.finite & (weights > 0)),
-        own_weight=self.overlap.own_weight, waited=waited,
-        total_weight=total)
-    points = form.unone(points)
-    return Update(params, points, state.replace(
-        anchors=points, outer_opt_state=form.unone(outer_states),
-        own_shares=form.unone(shares), in_flight=mean,
-        in_flight_valid=synced.anyone))
-
-  def _settle(self, state: OuterState, form: outer_state.Form) -> Update:
-    """Eager's end: the last mean lands, each island steps on the rest of
-    it, and every island, x and the outer state become their average."""
-    points, outer_states = outer_step_lib.eager_last_steps(
-        self.outer_tx, form.one(state.anchors),
-        form.one(state.outer_opt_state), form.one(state.own_shares),
-        state.in_flight, state.in_flight_valid)
-    if form.stacked:
-      x = state_lib.islands_average(points)
-      average_state = state_lib.islands_average(outer_states)
-    else:
-      average = lambda tree: jax.tree.map(
-          lambda a: outer_state.mean_over(a[0], form.axis_name), tree)
-      x, average_state = average(points), average(outer_states)
-    islands = form.copies(x)
-    return Update(x, islands, state.replace(
-        anchors=islands, outer_opt_state=form.copies(average_state),
-        own_shares=jax.tree.map(jnp.zeros_like, state.own_shares),
-        in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
-        in_flight_valid=jnp.zeros((), bool)))
-
-  def _send(self, params, island_params, state, weights, key, axis_name,
-            fragment) -> Update:
-    """Streaming: one fragment's mean and outer step (its residuals and
-    codec state only), merged at once with no fragment_delay."""
-    sent = library_streaming.send_fragment(
-        params, island_params, state.outer_opt_state, state.codec_state,
-        state.residuals, state.recipe.assignment, fragment, self.outer_tx,
-        weights=weights, compression=self.codec, axis_name=axis_name,
-        key=key)
-    state = state.replace(outer_opt_state=sent.outer_opt_states,
-                          codec_state=sent.codec_state,
-                          residuals=sent.residuals, included=sent.included,
-                          round=state.round + 1)
-    islands = island_params
-    if self.overlap.fragment_delay == 0:
-      islands = self.merge(sent.params, island_params, state,
-                           fragment=fragment)
-    return Update(sent.params, islands, state)
-
-  # The checks.
 
 
 def diloco(outer_tx: optax.GradientTransformation | None = None,
@@ -403,11 +383,18 @@ def diloco(outer_tx: optax.GradientTransformation | None = None,
   sparseloco = codec.name == compression_lib.SPARSELOCO
   if error_feedback is None:
     error_feedback = sparseloco
-  library_checks.check_error_feedback(codec, error_feedback, "diloco")
+  if sparseloco and not error_feedback:
+    raise ValueError(
+        f"diloco(codec=<sparseloco codec>, error_feedback={error_feedback!r})"
+        ": SparseLoCo's outer momentum is the islands' error-feedback "
+        "residual, so it needs error feedback; leave error_feedback unset "
+        "(it turns on by itself) or give True")
   if outer_tx is None:
     if sparseloco:  # x - alpha * mean, alpha 1
-      outer_tx = library_diloco.sparseloco()[0]
+      outer_tx = optimizers.outer_optimizer(optimizers.OuterSettings(
+          "sparseloco", 1.0))
     else:
-      outer_tx = library_diloco.nesterov(
-          *outer_overlaps.nesterov_defaults(overlap))
+      learning_rate, momentum = outer_overlaps.nesterov_defaults(overlap)
+      outer_tx = optimizers.outer_optimizer(optimizers.OuterSettings(
+          "nesterov", learning_rate, momentum))
   return DiLoCo(outer_tx, codec, overlap, bool(error_feedback))

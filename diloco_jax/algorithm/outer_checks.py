@@ -3,6 +3,9 @@ one plain ValueError or TypeError naming what is wrong and the fix, raised
 before it reaches jax.vmap or a collective. They read shapes, structures
 and the state's recipe only, so they work under jit too."""
 
+import jax
+
+from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_state
@@ -27,10 +30,32 @@ def check_state(outer, state, function: str) -> None:
         "object's init, or call the object that made it")
 
 
+def check_outer_optimizer(outer, params, state, function: str) -> None:
+  """state.outer_opt_state has the structure outer.outer_tx.init gives
+  (one per fragment under streaming): a state made with another outer
+  optimizer would fail deep inside optax, or step with the wrong one."""
+  made = state.outer_opt_state
+  if isinstance(outer.overlap, outer_overlaps.Streaming):
+    expected = tuple(
+        jax.eval_shape(outer.outer_tx.init,
+                       fragments_lib.select(params, state.recipe.assignment,
+                                            f))
+        for f in range(outer.overlap.num_fragments))
+  else:
+    expected = jax.eval_shape(outer.outer_tx.init, params)
+  if jax.tree.structure(made) != jax.tree.structure(expected):
+    raise ValueError(
+        f"{function}: state.outer_opt_state is not this object's outer "
+        f"optimizer's state (its tree is {jax.tree.structure(made)}, "
+        f"outer_tx.init gives {jax.tree.structure(expected)}): the state "
+        "was made with another outer_tx; make it with this object's init")
+
+
 def check_update(outer, params, island_params, state, weights, axis_name,
                  fragment, function: str) -> bool:
   """Every argument against the others; returns whether stacked."""
   check_state(outer, state, function)
+  check_outer_optimizer(outer, params, state, function)
   stacked = state.included.ndim == 1
   check_form(stacked, axis_name, function)
   if isinstance(outer.overlap, outer_overlaps.Streaming):

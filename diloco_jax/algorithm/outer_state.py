@@ -84,6 +84,7 @@ class Form(NamedTuple):
   stacked: bool
   axis_name: str | None
   num_islands: int | None  # k, stacked
+  stages: int = 1  # pipeline stages: a stage axis on params-shaped leaves
 
   def one(self, tree):
     return tree if self.stacked else jax.tree.map(lambda a: a[None], tree)
@@ -98,12 +99,12 @@ class Form(NamedTuple):
     return state_lib.stack_islands(tree, self.num_islands)
 
 
-def form_of(state: OuterState, axis_name) -> Form:
+def form_of(state: OuterState, axis_name, stages: int = 1) -> Form:
   """The form `state` is in: stacked ([k] islands' `included`) or one
   island's."""
   stacked = state.included.ndim == 1
   return Form(stacked, axis_name,
-              state.included.shape[0] if stacked else None)
+              state.included.shape[0] if stacked else None, stages)
 
 
 def mean_over(leaf, axis_name):

@@ -24,6 +24,69 @@ from diloco_jax.parallel import stages as stages_lib
 
 
 @dataclasses.dataclass(frozen=True)
+class DiLoCoSettings:
+  """config.diloco as the run layer reads it, typed once.
+
+  Attributes:
+    inner_steps: H, the inner steps of a round.
+    overlap: the outer object's overlap (outer_overlaps.py; Streaming
+      DiLoCo's fragments included).
+    overlap_mode: config.diloco.overlap, 'none' outside 'diloco' (for
+      records, logs and overlap_watch's warning).
+    codec: config.diloco.codec, 'fp32' outside 'diloco' (for records and
+      logs).
+    outer_placement: 'device' or 'host'.
+    fragments: Streaming DiLoCo's P, or None outside streaming.
+    fragment_alpha: the islands' own weight in a fragment's merge.
+    rounding_seed: the codec's stochastic rounding seed, or None (round to
+      nearest).
+    restart_dropped: an island left out of a round restarts its inner
+      state (config.diloco.dropped_islands='idle').
+    dropped_islands: config.diloco.dropped_islands (for messages;
+      restart_dropped is what it decides).
+    reset_inner: every island restarts its inner state each round
+      (config.diloco.inner_state='reset').
+    island_schedule: config.diloco.island_schedule ('' for every island).
+    outer_optimizer: config.diloco.outer_optimizer, its unset fields
+      filled in (overlap_defaults.resolve).
+  """
+  inner_steps: int
+  overlap: outer_overlaps.Overlap
+  overlap_mode: str
+  codec: str
+  outer_placement: str
+  fragments: int | None
+  fragment_alpha: float
+  rounding_seed: int | None
+  restart_dropped: bool
+  dropped_islands: str
+  reset_inner: bool
+  island_schedule: str
+  outer_optimizer: optimizers.OuterSettings
+
+
+def diloco_settings(config) -> DiLoCoSettings:
+  """The DiLoCoSettings of a checked config (its outer step's overlap:
+  none outside 'diloco')."""
+  d = config.diloco
+  diloco_mode = config.mode == "diloco"
+  return DiLoCoSettings(
+      inner_steps=d.inner_steps,
+      overlap=overlap(d) if diloco_mode else outer_overlaps.no_overlap(),
+      overlap_mode=d.overlap if diloco_mode else "none",
+      codec=d.codec if diloco_mode else "fp32",
+      outer_placement=d.get("outer_placement", "device"),
+      fragments=(d.fragments if diloco_mode and is_streaming(d) else None),
+      fragment_alpha=d.fragment_alpha,
+      rounding_seed=config.seed if d.stochastic_rounding else None,
+      restart_dropped=d.dropped_islands == "idle",
+      dropped_islands=d.dropped_islands,
+      reset_inner=d.inner_state == "reset",
+      island_schedule=d.island_schedule,
+      outer_optimizer=outer_optimizer(d.outer_optimizer))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   """A checked config and what it stands for.
 
@@ -40,6 +103,7 @@ class RunConfig:
     streaming: whether the run is Streaming DiLoCo.
     outer_step: the outer step and why, for the log ('' outside DiLoCo;
       outer_choice.describe).
+    diloco: config.diloco, typed.
   """
   config: ml_collections.FrozenConfigDict
   islands: int
@@ -50,11 +114,12 @@ class RunConfig:
   data: data_settings.DataSettings
   streaming: bool
   outer_step: str = ""
+  diloco: DiLoCoSettings | None = None
 
   @property
   def host_outer(self) -> bool:
     """Whether the outer step runs on devices of its own."""
-    return self.config.diloco.outer_placement == "host"
+    return self.diloco.outer_placement == "host"
 
 
 def build(config, data: data_settings.DataSettings,
@@ -72,7 +137,7 @@ def build(config, data: data_settings.DataSettings,
       nan_island=(participation_lib.parse_nan_island(nan_island, islands)
                   if nan_island else None),
       data=data, streaming=is_streaming(frozen.diloco),
-      outer_step=outer_step)
+      outer_step=outer_step, diloco=diloco_settings(frozen))
 
 
 def effective_islands(config) -> int:

@@ -60,8 +60,7 @@ class Coordinator:
         model_lib.new_params, config.model))(config.seed))
     self._state = jax.device_get(outer.init(self.x, self._islands,
                                             seed=spec.seed))
-    self._rounding_seed = (config.seed if config.diloco.stochastic_rounding
-                           else None)
+    self._rounding_seed = run_config.diloco.rounding_seed
     self.rounds_done = 0
     self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands

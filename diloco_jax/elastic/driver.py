@@ -81,7 +81,7 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
   config = run_config.config
   slots = run_config.islands
-  inner_steps = config.diloco.inner_steps
+  inner_steps = run_config.diloco.inner_steps
   rounds = -(-config.total_steps // inner_steps)
   fleet = fleet_lib.Fleet(run_config, settings, workdir)
   tally = _Tally()
@@ -94,8 +94,8 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       first_step = coordinator.rounds_done * inner_steps
       steps = min(inner_steps, config.total_steps - first_step)
       members, problem = membership.members(
-          workdir, slots, config.diloco.island_schedule, round_number - 1,
-          rounds)
+          workdir, slots, run_config.diloco.island_schedule,
+          round_number - 1, rounds)
       if problem:
         logging.warning("%s", problem)
       joined, left = fleet.set_members(members)

@@ -90,7 +90,7 @@ def _launcher(run_config, settings, workdir):
     # A moment of the round drawn from the run's seed: the same on a rerun.
     kill_steps[island][round_number] = int(np.random.default_rng(
         [config.seed, island, round_number]).integers(
-            config.diloco.inner_steps))
+            run_config.diloco.inner_steps))
   slow_rounds = [{} for _ in range(run_config.islands)]
   for island, round_number in settings.slow_islands:
     slow_rounds[island][round_number] = settings.slow_seconds

@@ -64,7 +64,7 @@ class IslandProgram:
     run_spec = state_spec_lib.for_run(run_config)
     self._spec = dataclasses.replace(run_spec, islands=1, compression=None,
                                      error_feedback=False)
-    self._build_sender(config, run_spec)
+    self._build_sender(run_config, run_spec)
     mesh = config.mesh
     self._mesh = mesh_lib.build_mesh(
         1, mesh.data, mesh.stage, jax.devices()[:mesh.data * mesh.stage])
@@ -78,7 +78,7 @@ class IslandProgram:
     self._batch_sharding = jax.sharding.NamedSharding(self._mesh,
                                                       state_lib.BATCH_SPEC)
     self._state = None  # built at the first round, from that round's x
-    self._inner_steps = config.diloco.inner_steps
+    self._inner_steps = run_config.diloco.inner_steps
     self.tokens_per_step = (config.data.batch_size
                             * config.data.sequence_length)
     # This island's share of the corpus (times k: 1 for iid islands).
@@ -133,7 +133,7 @@ class IslandProgram:
         "node": (ray.get_runtime_context().get_node_id()
                  if ray.is_initialized() else None)}
 
-  def _build_sender(self, config, run_spec) -> None:
+  def _build_sender(self, run_config, run_spec) -> None:
     """What the island sends: its params, or its pseudo-gradient encoded
     here with a dense codec that compresses (payloads.py), keeping its
     error-feedback residual (zero at a fresh start: a restarted island's
@@ -141,14 +141,14 @@ class IslandProgram:
     compression = run_spec.compression
     self._encodes = payloads.encoded_on_island(run_spec.outer)
     self._residual = self._pending_residual = None
-    self._rounding_seed = (config.seed if config.diloco.stochastic_rounding
-                           else None)
+    self._rounding_seed = run_config.diloco.rounding_seed
     if not self._encodes:
       return
     if run_spec.error_feedback:
       self._residual = np.zeros(
           sum(leaf.size for leaf in jax.tree.leaves(
-              model_lib.param_shapes(config.model))), np.float32)
+              model_lib.param_shapes(run_config.config.model))),
+          np.float32)
     self._send = jax.jit(functools.partial(
         payloads.island_payload, codec=compression.dense,
         feedback_decay=compression.feedback_decay))

@@ -63,12 +63,12 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
       raise problems_lib.ConfigError(
           f"config.{name}={value!r} with python -m diloco_jax.elastic: "
           f"{why} (config.{name}={needed!r})")
-  if config.diloco.island_schedule and (
-      config.diloco.dropped_islands != "idle"):
+  diloco = run_config.diloco
+  if diloco.island_schedule and not diloco.restart_dropped:
     raise problems_lib.ConfigError(
-        f"config.diloco.island_schedule={config.diloco.island_schedule!r} "
+        f"config.diloco.island_schedule={diloco.island_schedule!r} "
         f"with config.diloco.dropped_islands="
-        f"{config.diloco.dropped_islands!r}: an elastic island out of the "
+        f"{diloco.dropped_islands!r}: an elastic island out of the "
         "membership has no process, so it cannot train on "
         "(config.diloco.dropped_islands='idle')")
   elastic, islands = config.elastic, run_config.islands

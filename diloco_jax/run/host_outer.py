@@ -31,7 +31,7 @@ merge `fragment_delay` steps later takes the fragment's new x back.
 
 `build` gives the loop an object with the same `outer_step(state,
 weights)` and `flush(state)` (RoundOuter), or per-fragment `sends`
-(FragmentOuter), as the compiled on-device programs; the islands' side of
+(fragment_outer.FragmentOuter), as the compiled on-device programs; the islands' side of
 the state then carries no outer fields (`strip`), and `assemble` puts them
 back for a checkpoint, which stays the same pytree whichever the placement.
 """
@@ -43,80 +43,110 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import island_sync as island_sync_lib
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import outer_views
+from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import placement
 from diloco_jax.parallel.outer_devices import move
+from diloco_jax.run import fragment_outer
 from diloco_jax.run import stage_fragments
-# The outer fields, and the base every outer side extends.
-from diloco_jax.run.outer_side import OUTER_FIELDS, OuterSide, outer_part, strip  # pylint: disable=unused-import
+# The base every outer side extends, and the islands' side of a state.
+from diloco_jax.run.outer_side import OuterSide, outer_part, strip  # pylint: disable=unused-import
 
 class RoundOuter(OuterSide):
   """DiLoCo's outer step on the outer devices: at a round's end the
   islands' params (and anchors) go out, the collective and the outer
-  optimizer run there, and x comes back."""
+  object's x side (`land`, `take`) run there, x comes back, and the
+  islands' side (`start`) runs on the islands' devices."""
 
   def __init__(self, mesh, islands: int, compute_mesh, *,
-               outer_opt: optax.GradientTransformation, sync,
-               inner_opt: optax.GradientTransformation, overlap: str,
+               algorithm: outer_lib.DiLoCo, sync,
+               inner_opt: optax.GradientTransformation,
                restart_dropped: bool, fsdp: bool,
-               reset_inner: bool = False,
-               eager_own_weight: float | None = None,
-               warmup_rounds: int = 0):
-    """`sync`: outer_step.make_island_sync's on `mesh`; `eager_own_weight`
-    and `warmup_rounds`: config.diloco.eager_own_weight and
-    overlap_defaults.warmup_rounds."""
+               reset_inner: bool = False):
+    """`algorithm`: the run's outer object, whose parts run here (x's side,
+    `land` and `take`, on the outer devices; the islands', `start`, on
+    theirs); `sync`: outer_step.make_island_sync's on `mesh`."""
     super().__init__(mesh, islands, compute_mesh, fsdp)
-    self._delayed = overlap_lib.is_delayed(overlap)
-    self._anchored = overlap_lib.anchored(overlap)
-    self._eager = overlap_lib.is_eager(overlap)
-    self._warmup_rounds = warmup_rounds
-    own_weight = overlap_lib.own_weight(overlap, eager_own_weight)
+    self._delayed = isinstance(algorithm.overlap, (
+        outer_overlaps.OneStepDelay, outer_overlaps.Eager))
+    self._anchored = algorithm.keeps_island_points
+    self._eager = isinstance(algorithm.overlap, outer_overlaps.Eager)
+    self._warmup_rounds = (algorithm.overlap.warmup_rounds if self._eager
+                           else 0)
     stages = mesh.shape[mesh_lib.STAGE]  # each on outer devices of its own
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
-    # The collective of the pseudo-gradients against `reference` (the x
-    # the islands started the round from, or their anchors) and, without
-    # the delay, the outer optimizer's step on its mean.
-    self._send = jax.jit(lambda outer, island_params, weights, reference:
-                         constrain(outer_step_lib.receive(
-                             outer_opt, sync, self._delayed, outer,
-                             island_params, weights, reference,
-                             stages)[0]))
-    self._apply = jax.jit(lambda outer: constrain(
-        outer_step_lib.apply_in_flight(outer_opt, outer, stages)))
+    view = lambda state: outer_views.outer_view(state, algorithm, islands)
+    back = lambda state, outer_state: outer_views.with_outer(
+        state, outer_state, algorithm)
+
+    def send(outer, island_params, weights, reference):
+      """The collective of the pseudo-gradients against `reference` (the
+      x the islands started the round from, or their anchors) and the
+      object's `take` of its mean (x steps, or it waits in flight)."""
+      mean, residuals, codec_state, included, finite = sync(
+          reference, island_params, outer.residuals, outer.codec_state,
+          weights, outer.round)
+      x, outer_state = algorithm.take(
+          outer.global_params, view(outer), IslandMean(
+              mean, residuals, codec_state, included, finite,
+              jnp.any(included)), stages=stages)
+      return constrain(back(outer, outer_state).replace(global_params=x))
+
+    def land(outer):
+      """The delay's x_r: x steps on the mean that has had this round to
+      arrive."""
+      x, outer_state = algorithm.land(outer.global_params, view(outer),
+                                      stages=stages)
+      return constrain(back(outer, outer_state).replace(global_params=x))
+
+    self._send = jax.jit(send)
+    self._apply = jax.jit(land)
 
     def reset(state, x, restart, keep, ends_round):
-      """The islands' side for the next round (outer_step.next_round)."""
-      state = outer_step_lib.next_round(state, x, restart, keep,
-                                        inner_opt, stages).replace(
-                                            round=state.round
-                                            + int(ends_round))
+      """The islands' side for the next round (the object's `start`: from
+      x, or rebased onto it), with fresh inner states for `restart`."""
+      islands, outer_state = algorithm.start(x, state.island_params,
+                                             view(state), included=keep,
+                                             stages=stages)
+      state = outer_step_lib.start_islands(
+          back(state, outer_state), x, islands, restart, inner_opt, stages)
+      state = state.replace(round=state.round + int(ends_round))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
-    def eager_reset(state, landed, landed_valid, weights, restart, keep,
-                    waited):
-      """Eager updates: the islands' own outer steps on the mean that
-      landed (in the warm-up, on the round's own mean they `waited` for),
-      then the next round (x is not formed in a round)."""
-      state = outer_step_lib.eager_islands(outer_opt, state, landed,
-                                           landed_valid, weights, keep,
-                                           stages, own_weight=own_weight,
-                                           waited=waited)
-      return reset(state, state.global_params, restart, keep, True)
+    def eager_reset(state, landed, landed_valid, mean, mean_valid, weights,
+                    restart, keep):
+      """Eager updates: the islands' own outer steps (the object's
+      `start`) on the mean that landed, or in a warm-up round on this
+      round's `mean`; then the next round (x is not formed in a round)."""
+      points, outer_state = algorithm.start(
+          state.global_params, state.island_params,
+          view(state).replace(round=state.round + 1), included=keep,
+          landed=(landed, landed_valid), mean=(mean, mean_valid),
+          weights=weights, stages=stages)
+      state = outer_step_lib.start_islands(
+          back(state, outer_state.replace(round=state.round + 1)),
+          state.global_params, points, restart, inner_opt, stages)
+      return state_lib.constrain_state(state, compute_mesh, fsdp)
 
-    def settle(state, landed, landed_valid, outer_state):
-      """The end of an eager run, on the islands (outer_step.settle_eager;
-      the outer state comes along to take the islands' average)."""
-      state = outer_step_lib.settle_eager(outer_opt, state.replace(
-          in_flight=landed, in_flight_valid=landed_valid,
-          outer_opt_state=outer_state), stages)
+    def settle(state, landed, landed_valid):
+      """The end of an eager run, on the islands (the object's `finish`):
+      every island, x and x's outer state become the islands' average."""
+      update = algorithm.finish(
+          state.global_params,
+          view(state).replace(in_flight=landed, in_flight_valid=landed_valid),
+          stages=stages)
+      state = back(state, update.state).replace(
+          global_params=update.params, island_params=update.islands,
+          outer_opt_state=outer_views.first_island(
+              update.state.outer_opt_state))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
@@ -195,11 +225,12 @@ class RoundOuter(OuterSide):
       landed, landed_valid = self._landed()
       self._outer = self._send(self._outer, island_params, outer_weights,
                                reference)
-      # In the warm-up the islands wait for this round's own mean.
-      waited = ((jnp.ones((), bool),) + self._landed()
-                if self._warming_up(state) else None)
-      return self._eager_reset(state, landed, landed_valid, weights,
-                               restart, keep, waited)
+      # In the warm-up the islands wait for this round's own mean; past
+      # it they step on the landed mean alone (this round's is not read).
+      mean, mean_valid = (self._landed() if self._warming_up(state)
+                          else (landed, landed_valid))
+      return self._eager_reset(state, landed, landed_valid, mean,
+                               mean_valid, weights, restart, keep)
     if self._delayed:
       # x_r from the mean that has had this round to arrive; the new
       # collective is queued after it, on the outer devices only, so the
@@ -222,15 +253,12 @@ class RoundOuter(OuterSide):
       # The last mean lands on the islands, which settle on their average;
       # x and the outer state go back to the outer side.
       landed, landed_valid = self._landed()
-      outer_state = move(self._outer.outer_opt_state,
-                         self._compute_shardings.outer_opt_state)
-      state = self._settle(state, landed, landed_valid, outer_state)
+      state = self._settle(state, landed, landed_valid)
       targets = self._outer_shardings(self._outer)
       self._outer = self._spend(
           self._outer, move(state.global_params, targets.global_params),
           move(state.outer_opt_state, targets.outer_opt_state))
-      return self._reset(strip(state), state.global_params, nobody, nobody,
-                         False)
+      return strip(state)
     self._outer = self._apply(self._outer)
     return self._reset(state, self._x_on_compute(), nobody, nobody, False)
 
@@ -250,125 +278,21 @@ class RoundOuter(OuterSide):
                  self._compute_shardings.in_flight_valid))
 
 
-class FragmentOuter(OuterSide):
-  """Streaming DiLoCo's sends on the outer devices: each fragment's island
-  leaves go out, its collective and outer step run there while the islands
-  train, and its merge takes the fragment's x back (`fragment_x`)."""
-
-  def __init__(self, mesh, islands: int, compute_mesh, *,
-               outer_opt: optax.GradientTransformation, sync, compression,
-               fragments: int, fsdp: bool):
-    super().__init__(mesh, islands, compute_mesh, fsdp)
-    self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
-    self._compression = compression_lib.as_compression(compression)
-    self._fragments = fragments
-    # Per fragment, its jitted send, and where its leaves sit among the
-    # params and the codec state (built from the state's layout).
-    self._fragment_sends = self._assignment = self._positions = None
-
-  def load(self, state: state_lib.TrainState) -> state_lib.TrainState:
-    islands_side = super().load(state)
-    self._build_fragment_sends(self._outer)
-    return islands_side
-
-  def _build_fragment_sends(self, outer) -> None:
-    """Per fragment, send(parts, island_leaves, weights, step) -> parts on
-    the outer devices, for the layout of `outer` (the outer side's state,
-    concrete or abstract). Each takes and gives its fragment's parts only,
-    so a send in flight holds up no other fragment's merge."""
-    if self._fragment_sends is not None:
-      return
-    params = outer.global_params
-    self._assignment = fragments_lib.leaf_fragments(params, self._fragments)
-    self._positions = [fragments_lib.codec_positions(
-        params, self._compression, self._assignment, p)
-                       for p in range(self._fragments)]
-    shardings = self._outer_shardings(outer)
-
-    def send(fragment, parts, island_leaves, weights, step):
-      return self._send_parts(
-          parts, island_leaves, weights,
-          fragments_lib.send_index(step, self._fragments, fragment))
-
-    self._fragment_sends = [
-        jax.jit(functools.partial(send, p),
-                out_shardings=self._parts(shardings, p))
-        for p in range(self._fragments)]
-
-  def _parts(self, outer, fragment: int) -> fragments_lib.FragmentParts:
-    return fragments_lib.fragment_parts(outer, self._assignment,
-                                        self._positions[fragment], fragment)
-
-  def compile_in_background(self, state) -> None:
-    outer = outer_part(state)
-    self._build_fragment_sends(placement.with_shardings(
-        outer, self._outer_shardings(outer)))
-    super().compile_in_background(state)
-
-  def _compile_all(self, outer, islands_state, weights) -> dict:
-    step = jax.ShapeDtypeStruct(islands_state.step.shape,
-                                islands_state.step.dtype,
-                                sharding=NamedSharding(self.mesh, P()))
-    return {"_fragment_sends": [
-        send.lower(self._parts(outer, p),
-                   fragments_lib.select(islands_state.island_params,
-                                        self._assignment, p),
-                   weights, step).compile()
-        for p, send in enumerate(self._fragment_sends)]}
-
-  @property
-  def sends(self) -> tuple:
-    """Per fragment, send(state, weights) -> state. The fragment's island
-    leaves go out and its collective and outer step are queued on the
-    outer devices; the islands' side comes back unchanged (its merge folds
-    the new x in, from `fragment_x`)."""
-    return tuple(functools.partial(self._send_fragment, p)
-                 for p in range(self._fragments))
-
-  def _send_fragment(self, fragment: int, state: state_lib.TrainState,
-                     weights: jax.Array) -> state_lib.TrainState:
-    self._use_compiled()
-    parts = self._fragment_sends[fragment](
-        self._parts(self._outer, fragment),
-        move(fragments_lib.select(state.island_params, self._assignment,
-                                  fragment), self._on_islands),
-        move(weights, self._on_islands),
-        move(state.step, NamedSharding(self.mesh, P())))
-    self._outer = fragments_lib.with_fragment_parts(
-        self._outer, self._assignment, self._positions[fragment], fragment,
-        parts)
-    return state
-
-  def fragment_x(self, fragment: int) -> list:
-    """The fragment's leaves of x on the compute devices, for its merge
-    (they arrive once its send is done)."""
-    select = functools.partial(fragments_lib.select,
-                               assignment=self._assignment, fragment=fragment)
-    return move(select(self._outer.global_params),
-                select(self._x_shardings))
-
-  def current(self, state: state_lib.TrainState) -> state_lib.TrainState:
-    """The islands' side with the outer side's x (waits for the fragments
-    in flight)."""
-    return state.replace(global_params=self._x_on_compute())
-
-
 def build(outer_devices, islands: int, compute_mesh,
-          outer_opt: optax.GradientTransformation, compression,
+          algorithm: outer_lib.DiLoCo,
           inner_opt: optax.GradientTransformation,
           rounding_seed: int | None = None, restart_dropped: bool = False,
-          overlap: str = "none", fragments: int | None = None,
-          fsdp: bool = False, reset_inner: bool = False,
-          eager_own_weight: float | None = None,
-          warmup_rounds: int = 0) -> OuterSide:
+          fsdp: bool = False, reset_inner: bool = False) -> OuterSide:
   """The outer side of a run with outer_placement='host' on
-  `outer_devices` (one per process).
+  `outer_devices` (one per process), for the run's outer object
+  `algorithm`.
 
-  `fragments`: P for Streaming DiLoCo (a FragmentOuter; None: DiLoCo's
-  whole-model outer step, a RoundOuter). `fsdp`: the islands' arrays are
-  split over their 'data' devices (config.mesh.fsdp); the outer side holds
-  whole islands and encodes each in the same stripes as those devices
-  would.
+  Streaming DiLoCo (a streaming overlap) gets a FragmentOuter (with
+  pipeline stages, a StageFragmentOuter: fragment s is stage s); any other
+  overlap DiLoCo's whole-model outer step, a RoundOuter. `fsdp`: the
+  islands' arrays are split over their 'data' devices (config.mesh.fsdp);
+  the outer side holds whole islands and encodes each in the same stripes
+  as those devices would.
   """
   # With pipeline stages, one outer device per stage (per process): each
   # stage's x, outer state and collective on its own, never the whole
@@ -376,22 +300,21 @@ def build(outer_devices, islands: int, compute_mesh,
   mesh = mesh_lib.build_mesh(islands, 1, compute_mesh.shape[mesh_lib.STAGE],
                              outer_devices)
   stripes = compute_mesh.shape[mesh_lib.DATA] if fsdp else 1
-  if fragments and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
+  streaming = isinstance(algorithm.overlap, outer_overlaps.Streaming)
+  if streaming and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
     return stage_fragments.StageFragmentOuter(
-        mesh, islands, compute_mesh, outer_opt=outer_opt,
-        compression=compression, rounding_seed=rounding_seed,
+        mesh, islands, compute_mesh, outer_opt=algorithm.outer_tx,
+        compression=algorithm.codec, rounding_seed=rounding_seed,
         stripes=stripes, fsdp=fsdp)
   sync = island_sync_lib.make_island_sync(
-      mesh, compression, rounding_seed, stripes=stripes,
-      reference_per_island=overlap_lib.anchored(overlap))
-  if fragments:
-    return FragmentOuter(mesh, islands, compute_mesh,
-                         outer_opt=outer_opt, sync=sync,
-                         compression=compression, fragments=fragments,
-                         fsdp=fsdp)
-  return RoundOuter(mesh, islands, compute_mesh, outer_opt=outer_opt,
-                    sync=sync, inner_opt=inner_opt, overlap=overlap,
+      mesh, algorithm.codec, rounding_seed, stripes=stripes,
+      reference_per_island=algorithm.keeps_island_points)
+  if streaming:
+    return fragment_outer.FragmentOuter(
+        mesh, islands, compute_mesh, outer_opt=algorithm.outer_tx, sync=sync,
+        compression=algorithm.codec,
+        fragments=algorithm.overlap.num_fragments, fsdp=fsdp)
+  return RoundOuter(mesh, islands, compute_mesh, algorithm=algorithm,
+                    sync=sync, inner_opt=inner_opt,
                     restart_dropped=restart_dropped, fsdp=fsdp,
-                    reset_inner=reset_inner,
-                    eager_own_weight=eager_own_weight,
-                    warmup_rounds=warmup_rounds)
+                    reset_inner=reset_inner)

@@ -143,11 +143,10 @@ class TrainingLoop:
     """`start.state` is the islands' side (setup.islands_side); `source`
     is where a rollback with no checkpoint starts again (None: fresh
     params)."""
-    config = setup.config
+    config, diloco = setup.config, setup.run_config.diloco
     self._setup, self._config = setup, config
     self._rising_loss = overlap_watch.RisingLossWatch(
-        config.diloco.overlap if config.mode == "diloco" else "none",
-        config.diloco.outer_optimizer)
+        diloco.overlap_mode, diloco.outer_optimizer)
     self._checkpointer, self._writer = checkpointer, writer
     self._signals, self._source = signals, source
     self._launch_time = launch_time
@@ -265,11 +264,12 @@ class TrainingLoop:
     device) and prepares the next batch meanwhile."""
     config, programs = self._config, self._programs
     batch = self._batches.take()
-    nan_island = self._setup.run_config.nan_island
+    run_config = self._setup.run_config
+    nan_island = run_config.nan_island
     # config.testing.nan_island: the island's params turn NaN as its round
     # starts.
     if nan_island and step == ((nan_island[1] - 1)
-                               * config.diloco.inner_steps + 1):
+                               * run_config.diloco.inner_steps + 1):
       self.state = jax.jit(
           state_lib.poison_island, static_argnums=1,
           out_shardings=state_lib.state_shardings(
@@ -291,7 +291,7 @@ class TrainingLoop:
     progress.island_round_steps += 1
     # An idle island's work is discarded: its tokens do not count.
     progress.tokens_seen += self._tokens_per_island_step * (
-        int(synced.sum()) if self._config.diloco.dropped_islands == "idle"
+        int(synced.sum()) if self._setup.run_config.diloco.restart_dropped
         else self._setup.islands)
     self._syncs.link_bytes.count_step(progress)
 
@@ -300,7 +300,7 @@ class TrainingLoop:
     """The step's record (its training metrics are added when fetched),
     with the evaluation when it is due."""
     config = self._config
-    record = records.step_record(config, step, self.progress,
+    record = records.step_record(self._setup.run_config, step, self.progress,
                                  float(self._learning_rates[step - 1]))
     self._writer.set_data_wait(self._batches.waited_s)
     if evaluating:

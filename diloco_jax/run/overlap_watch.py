@@ -15,7 +15,10 @@ class RisingLossWatch:
   """Watches x's eval losses at round ends under an overlap mode."""
 
   def __init__(self, overlap: str, outer_optimizer, rises: int = RISES):
-    """`outer_optimizer`: config.diloco.outer_optimizer (resolved)."""
+    """`overlap`: the run's overlap mode (DiLoCoSettings.overlap_mode:
+    'none' watches nothing); `outer_optimizer`: its OuterSettings (or
+    config.diloco.outer_optimizer resolved: its name, learning_rate and
+    momentum are read)."""
     self._overlap = overlap
     self._outer = outer_optimizer
     self._rises = rises

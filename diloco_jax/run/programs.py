@@ -19,9 +19,8 @@ from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import background
@@ -91,7 +90,7 @@ def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
   evaluate = evaluation_lib.make_evaluate(loss_fn, config.mode).lower(
       state, eval_batch).compile()
   consensus = None
-  if config.mode == "diloco" and overlap_lib.is_eager(config.diloco.overlap):
+  if isinstance(run_config.diloco.overlap, outer_overlaps.Eager):
     consensus = evaluation_lib.make_consensus(jax.tree.map(
         lambda a: a.sharding, state.global_params)).lower(state).compile()
   return Programs(
@@ -104,27 +103,18 @@ def compile_programs(run_config: run_config_lib.RunConfig, mesh, loss_fn,
       compile_s=time.perf_counter() - start)
 
 
-def _rounding_seed(config) -> int | None:
-  return config.seed if config.diloco.stochastic_rounding else None
-
-
 def _outer_programs(run_config: run_config_lib.RunConfig, mesh,
                     spec: state_spec_lib.StateSpec, state, weights) -> dict:
-  """DiLoCo's outer step on the compute devices (and the flush of a
-  delayed overlap)."""
-  config = run_config.config
-  fsdp, overlap = config.mesh.fsdp, config.diloco.overlap
-  programs = {"outer_step": outer_step_lib.make_outer_step(
-      spec.outer_opt, mesh, spec.compression,
-      rounding_seed=_rounding_seed(config), fsdp=fsdp,
-      inner_opt=spec.inner_opt,
-      restart_dropped=config.diloco.dropped_islands == "idle",
-      overlap=overlap,
-      reset_inner=config.diloco.inner_state == "reset",
-      eager_own_weight=config.diloco.eager_own_weight,
-      warmup_rounds=overlap_defaults.warmup_rounds(config.diloco)).lower(
-          state, weights).compile()}
-  if overlap_lib.is_delayed(overlap):
+  """DiLoCo's outer step on the compute devices, the run's outer object
+  applied after the islands' collective (and the end of a delayed
+  overlap's run: its `finish`)."""
+  settings, fsdp = run_config.diloco, run_config.config.mesh.fsdp
+  programs = {"outer_step": outer_step_lib.make_outer_program(
+      spec.outer, mesh, rounding_seed=settings.rounding_seed, fsdp=fsdp,
+      inner_opt=spec.inner_opt, restart_dropped=settings.restart_dropped,
+      reset_inner=settings.reset_inner).lower(state, weights).compile()}
+  if isinstance(settings.overlap, (outer_overlaps.OneStepDelay,
+                                   outer_overlaps.Eager)):
     programs["flush"] = outer_step_lib.make_flush(
         spec.outer_opt, mesh, fsdp).lower(state).compile()
   return programs
@@ -136,24 +126,24 @@ def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
   """Streaming DiLoCo's per-fragment sends (on the compute devices; with
   'host' they are host_outer's) and merges (with 'host' a merge takes the
   fragment's x from the outer devices)."""
-  config = run_config.config
-  fsdp, num_fragments = config.mesh.fsdp, config.diloco.fragments
+  settings, fsdp = run_config.diloco, run_config.config.mesh.fsdp
+  num_fragments = settings.fragments
   on_device = not run_config.host_outer
   if mesh.shape[mesh_lib.STAGE] > 1:  # fragment s is stage s
     programs = {"merges": stage_fragments.compile_merges(
-        mesh, state, alpha=config.diloco.fragment_alpha,
+        mesh, state, alpha=settings.fragment_alpha,
         inner_opt=spec.inner_opt)}
     if on_device:
       programs["sends"] = stage_fragments.compile_sends(
           mesh, state, weights, outer_opt=spec.outer_opt,
-          compression=spec.compression, rounding_seed=_rounding_seed(config),
+          compression=spec.compression, rounding_seed=settings.rounding_seed,
           stripes=mesh.shape[mesh_lib.DATA] if fsdp else 1)
     return programs
   programs = {}
   if on_device:
     programs["sends"] = tuple(fragments_lib.make_fragment_send(
         spec.outer_opt, mesh, num_fragments, p, spec.compression,
-        _rounding_seed(config), fsdp).lower(state, weights).compile()
+        settings.rounding_seed, fsdp).lower(state, weights).compile()
                               for p in range(num_fragments))
   assignment = fragments_lib.leaf_fragments(state.global_params,
                                             num_fragments)
@@ -164,7 +154,7 @@ def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
     return (state, fragments_lib.select(state.global_params, assignment, p))
 
   programs["merges"] = tuple(fragments_lib.make_fragment_merge(
-      mesh, num_fragments, p, config.diloco.fragment_alpha, fsdp,
+      mesh, num_fragments, p, settings.fragment_alpha, fsdp,
       spec.inner_opt).lower(*merge_args(p)).compile()
                              for p in range(num_fragments))
   return programs

@@ -25,11 +25,12 @@ def eval_record(loss: float, byte_level: bool) -> dict:
   return record
 
 
-def step_record(config, step: int, progress: progress_lib.Progress,
+def step_record(run_config, step: int, progress: progress_lib.Progress,
                 learning_rate: float) -> dict:
   """A step's record, before its training metrics and eval are added."""
+  config = run_config.config
   record = {
-      "step": step, "round": -(-step // config.diloco.inner_steps),
+      "step": step, "round": -(-step // run_config.diloco.inner_steps),
       "learning_rate": learning_rate,
       "tokens_seen": progress.tokens_seen,
       "comm_bytes": progress.comm_bytes,
@@ -90,11 +91,11 @@ def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
   or, for a run resumed at its end, what metrics.jsonl timed
   (timed_steps).
   """
-  config, mode = run_config.config, run_config.config.mode
+  config, diloco = run_config.config, run_config.diloco
   result = {
-      "mode": mode,
+      "mode": config.mode,
       "islands": progress.islands,
-      "inner_steps": config.diloco.inner_steps,
+      "inner_steps": diloco.inner_steps,
       "total_steps": config.total_steps,
       "rounds": progress.rounds_done,
       "corpus": config.data.corpus,
@@ -102,10 +103,10 @@ def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
       "tokens_seen": progress.tokens_seen,
       "comm_bytes": progress.comm_bytes,
       "ddp_comm_bytes": progress.ddp_comm_bytes,
-      "codec": config.diloco.codec if mode == "diloco" else "fp32",
-      "overlap": config.diloco.overlap,
-      "outer_placement": config.diloco.outer_placement,
-      "fragments": config.diloco.fragments if run_config.streaming else None,
+      "codec": diloco.codec,  # 'fp32' outside 'diloco'
+      "overlap": diloco.overlap_mode,  # 'none' outside 'diloco'
+      "outer_placement": diloco.outer_placement,
+      "fragments": diloco.fragments,  # None outside Streaming DiLoCo
       # What the codec saved on the syncs, and what it saved against DDP.
       "compression_vs_fp32": ratio(progress.fp32_comm_bytes,
                                    progress.comm_bytes),

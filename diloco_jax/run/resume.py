@@ -25,11 +25,14 @@ class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
   """Resuming under a config that changes the run's meaning, not allowed."""
 
 
-def refuse_config_changes(path: str, meta: dict, config) -> None:
+def refuse_config_changes(path: str, meta: dict, config,
+                          streaming: bool) -> None:
   """Raises ConfigChangedError for changes resume.allow_changes lacks.
 
   Args:
     path: the checkpoint's directory (WORKDIR/checkpoints/STEP).
+    streaming: whether this run is Streaming DiLoCo (its fragments follow
+      config.mesh.stage).
   """
   where = f"checkpoint {path}"
   if "config" not in meta:
@@ -45,8 +48,7 @@ def refuse_config_changes(path: str, meta: dict, config) -> None:
         "global params that every island would start from); to start from "
         f"its model, use another --workdir with --config.init_from={path}")
   saved_stages = meta["config"].get("mesh", {}).get("stage", 1)
-  if (config.mode == "diloco" and run_config_lib.is_streaming(config.diloco)
-      and saved_stages != config.mesh.stage):
+  if streaming and saved_stages != config.mesh.stage:
     # Fragment s is stage s, with an outer state per stage: another stage
     # count is another split of the model into fragments.
     raise ConfigChangedError(
@@ -100,7 +102,8 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
     path = f"{checkpointer.directory}/{step}"
     where = f"checkpoint {path}"
     if compare_config:
-      refuse_config_changes(path, meta, config)
+      refuse_config_changes(path, meta, config,
+                            streaming=bool(spec.fragments))
     mismatch = checkpointing.shape_mismatch(meta["param_shapes"],
                                             current_shapes)
     if mismatch:

@@ -16,7 +16,6 @@ import numpy as np
 from absl import logging
 
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
 from diloco_jax.data import sources
@@ -243,19 +242,12 @@ def _read_data(run_config: run_config_lib.RunConfig, batch_shape) -> Data:
 def _host_outer(run_config: run_config_lib.RunConfig,
                 spec: state_spec_lib.StateSpec, mesh,
                 outer_devices) -> host_outer_lib.OuterSide:
-  config = run_config.config
+  settings = run_config.diloco
   return host_outer_lib.build(
-      outer_devices, run_config.islands, mesh, spec.outer_opt,
-      spec.compression, spec.inner_opt,
-      rounding_seed=(config.seed if config.diloco.stochastic_rounding
-                     else None),
-      restart_dropped=config.diloco.dropped_islands == "idle",
-      overlap=config.diloco.overlap,
-      fragments=config.diloco.fragments if run_config.streaming else None,
-      fsdp=config.mesh.fsdp,
-      reset_inner=config.diloco.inner_state == "reset",
-      eager_own_weight=config.diloco.eager_own_weight,
-      warmup_rounds=overlap_defaults.warmup_rounds(config.diloco))
+      outer_devices, run_config.islands, mesh, spec.outer, spec.inner_opt,
+      rounding_seed=settings.rounding_seed,
+      restart_dropped=settings.restart_dropped,
+      fsdp=run_config.config.mesh.fsdp, reset_inner=settings.reset_inner)
 
 
 def check_processes(run_config: run_config_lib.RunConfig, devices) -> None:

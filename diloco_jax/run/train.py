@@ -337,7 +337,8 @@ def _log_plan(setup: setup_lib.RunSetup, loop, programs,
   logging.info("compiled in %.1fs, %.1fs after launch", programs.compile_s,
                time.time() - launch_time)
   logging.info("mode=%s islands=%d H=%d params=%s tokens/step=%d sync=%.2fMB",
-               config.mode, setup.islands, config.diloco.inner_steps,
+               config.mode, setup.islands,
+               setup.run_config.diloco.inner_steps,
                f"{setup.num_params:,}",
                setup.islands * config.data.batch_size
                * config.data.sequence_length, loop.sync_bytes() / 1e6)
