@@ -282,3 +282,29 @@ def test_the_delay_under_diloco_s_nesterov_diverges():
   start, end = _train(30, overlap=diloco.one_step_delay(),
                       outer_tx=diloco.nesterov(0.7, 0.9))
   assert not end < start, (start, end)
+
+
+def test_streaming_without_a_delay_merges_once():
+  """With fragment_delay 0 the send merges at once and the schedule lists
+  no merges, so a loop that follows it blends each fragment once: the
+  islands after the send are alpha y + (1 - alpha) x of the sent x, as one
+  fragment_merge of the pieces gives them."""
+  config = helpers.tiny_model_config()
+  config.num_layers = 2
+  _, params = model_lib.init_params(config, 0)
+  params = jax.tree.map(np.array, params)
+  _, moves, weights = _rounds_of_moves(1, seed=4, params=params)
+  outer = diloco.diloco(overlap=diloco.streaming(2, alpha=0.5))
+  state = outer.init(params, ISLANDS)
+  islands = jax.tree.map(jnp.subtract,
+                         state_lib.stack_islands(params, ISLANDS), moves[0])
+  actions = [outer.schedule(step, inner_steps=4, total_steps=8)
+             for step in range(1, 9)]
+  assert all(kind == "send" for step in actions for kind, _ in step)
+  assert {p for step in actions for _, p in step} == {0, 1}
+  x, merged, state = outer.update(params, islands, state, weights=weights[0],
+                                  fragment=0)
+  old = diloco.streaming_init(params, outer.outer_tx, 2, ISLANDS,
+                              assignment=state.recipe.assignment)
+  helpers.assert_trees_close(
+      merged, diloco.fragment_merge(x, islands, old, 0, 0.5), **CLOSE)

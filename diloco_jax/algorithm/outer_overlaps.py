@@ -18,6 +18,7 @@ import dataclasses
 from typing import Sequence
 
 from diloco_jax.algorithm import library_checks
+from diloco_jax.algorithm import overlap as overlap_lib
 
 # (learning rate, momentum) of outer Nesterov per overlap mode (the
 # trainer's config.diloco.overlap).
@@ -143,6 +144,21 @@ def streaming(num_fragments: int, fragment_delay: int = 0,
   return Streaming(int(num_fragments), int(fragment_delay), float(alpha),
                    None if assignment is None
                    else tuple(int(f) for f in assignment))
+
+
+def from_mode(mode: str, own_weight: float | None = None,
+              warmup_rounds: int | None = None) -> Overlap:
+  """The overlap of a mode's name: 'eager' with `own_weight` (1 if None)
+  and `warmup_rounds` (its default if None); the others take neither."""
+  if mode == "none":
+    return no_overlap()
+  if mode in ("one_step_delay", "one_step_delay_rebase"):
+    return one_step_delay(rebase=mode == "one_step_delay_rebase")
+  if mode == "eager":
+    return eager(1.0 if own_weight is None else own_weight, warmup_rounds)
+  if mode == "eager_share":
+    return eager(None, warmup_rounds)
+  raise ValueError(f"overlap={mode!r} is not one of {overlap_lib.OVERLAPS}")
 
 
 def nesterov_defaults(overlap: Overlap) -> tuple[float, float]:

@@ -70,20 +70,7 @@ def from_settings(outer_opt, compression=None, overlap: str = "none",
                   warmup_rounds: int = 0) -> outer_lib.DiLoCo:
   """The outer object of a compiled step's settings (config.diloco's
   overlap mode, own weight and warm-up rounds)."""
-  if overlap == "none":
-    spec = outer_overlaps.no_overlap()
-  elif overlap in ("one_step_delay", "one_step_delay_rebase"):
-    spec = outer_overlaps.one_step_delay(
-        rebase=overlap == "one_step_delay_rebase")
-  elif overlap in ("eager", "eager_share"):
-    own_weight = None
-    if overlap == "eager":
-      own_weight = 1.0 if eager_own_weight is None else eager_own_weight
-    spec = outer_overlaps.eager(own_weight, warmup_rounds)
-  else:
-    raise ValueError(f"overlap={overlap!r} is not one of "
-                     "('none', 'one_step_delay', 'one_step_delay_rebase', "
-                     "'eager', 'eager_share')")
+  spec = outer_overlaps.from_mode(overlap, eager_own_weight, warmup_rounds)
   return outer_lib.DiLoCo(outer_opt,
                           compression_lib.as_compression(compression), spec,
                           error_feedback=False)

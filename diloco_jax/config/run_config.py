@@ -216,16 +216,8 @@ def overlap(diloco_config) -> outer_overlaps.Overlap:
   if is_streaming(d):
     return outer_overlaps.streaming(d.fragments, d.fragment_delay,
                                     d.fragment_alpha)
-  if d.overlap == "none":
-    return outer_overlaps.no_overlap()
-  if d.overlap in ("one_step_delay", "one_step_delay_rebase"):
-    return outer_overlaps.one_step_delay(
-        rebase=d.overlap == "one_step_delay_rebase")
-  own_weight = None
-  if d.overlap == "eager":
-    own_weight = (1.0 if d.get("eager_own_weight") is None
-                  else d.eager_own_weight)
-  return outer_overlaps.eager(own_weight, overlap_defaults.warmup_rounds(d))
+  return outer_overlaps.from_mode(d.overlap, d.get("eager_own_weight"),
+                                  overlap_defaults.warmup_rounds(d))
 
 
 def compression(diloco_config) -> compression_lib.Compression:

@@ -27,6 +27,7 @@ from diloco_jax.data import producer
 from diloco_jax.data import sources
 from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
+from diloco_jax.run import state_records
 from diloco_jax.run import overlap_watch
 from diloco_jax.run import placing
 from diloco_jax.run import progress as progress_lib
@@ -160,9 +161,9 @@ class TrainingLoop:
                                     * config.data.sequence_length)
     # What every checkpoint saves beside the state.
     self._checkpoint_meta = {
-        "param_shapes": checkpoints_lib.param_shapes_record(
+        "param_shapes": state_records.param_shapes_record(
             setup.abstract_state.global_params),
-        "state_layout": checkpoints_lib.state_layout_record(
+        "state_layout": state_records.state_layout_record(
             setup.abstract_state),
         "config": resume.config_record(config),
     }
