@@ -45,7 +45,7 @@ from flax import nnx
 from configs import tiny
 from diloco_jax.algorithm import library as diloco
 from diloco_jax.algorithm import optimizers
-from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
@@ -195,8 +195,8 @@ def _loop_as_the_run_sets_it_up(config):
     return _hand_written_diloco(*args)
   assert diloco_config.overlap == "eager"
   return _hand_written_eager(
-      *args, own_weight=overlap_lib.own_weight(
-          "eager", diloco_config.eager_own_weight),
+      *args, own_weight=outer_overlaps.from_mode(
+          "eager", diloco_config.eager_own_weight).own_weight,
       warmup_rounds=overlap_defaults.warmup_rounds(diloco_config))
 
 

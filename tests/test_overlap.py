@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
 from diloco_jax.algorithm import outer_step as outer_step_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
@@ -413,10 +414,12 @@ def test_eager_waits_two_rounds_unless_set_and_the_share_none():
 
 
 def test_eager_s_own_weight_is_one_unless_set_and_the_share_has_none():
-  assert overlap_lib.own_weight("eager", None) == 1.0
-  assert overlap_lib.own_weight("eager", 0.5) == 0.5
-  assert overlap_lib.own_weight("eager_share", None) is None
-  assert overlap_lib.own_weight("one_step_delay", None) is None
+  own_weight = lambda mode, weight: getattr(
+      outer_overlaps.from_mode(mode, weight), "own_weight", None)
+  assert own_weight("eager", None) == 1.0
+  assert own_weight("eager", 0.5) == 0.5
+  assert own_weight("eager_share", None) is None
+  assert own_weight("one_step_delay", None) is None
 
 
 def test_outer_settings_a_config_sets_are_kept():

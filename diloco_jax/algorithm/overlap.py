@@ -57,9 +57,6 @@ EAGER_OVERLAPS = ("eager", "eager_share")
 # The modes whose islands take their pseudo-gradients against a point of
 # their own (an anchor per island) rather than the shared x.
 ANCHORED_OVERLAPS = ("one_step_delay_rebase",) + EAGER_OVERLAPS
-# The weight an island gives its own fresh pseudo-gradient under 'eager'
-# when config.diloco.eager_own_weight is unset.
-DEFAULT_OWN_WEIGHT = 1.0
 
 
 def is_delayed(overlap: str) -> bool:
@@ -72,16 +69,6 @@ def is_delayed(overlap: str) -> bool:
 def is_eager(overlap: str) -> bool:
   """Whether `overlap` steps each island's own outer point at once."""
   return is_delayed(overlap) and overlap in EAGER_OVERLAPS
-
-
-def own_weight(overlap: str, eager_own_weight: float | None) -> float | None:
-  """The weight eager islands give their own fresh pseudo-gradient: None
-  under 'eager_share' (each island's share of the mean), else
-  `eager_own_weight` (config.diloco.eager_own_weight), DEFAULT_OWN_WEIGHT
-  if unset; None for a mode that is not eager."""
-  if not is_eager(overlap) or overlap == "eager_share":
-    return None
-  return DEFAULT_OWN_WEIGHT if eager_own_weight is None else eager_own_weight
 
 
 def anchored(overlap: str) -> bool:
