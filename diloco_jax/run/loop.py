@@ -27,7 +27,6 @@ from diloco_jax.data import producer
 from diloco_jax.data import sources
 from diloco_jax.parallel import multihost
 from diloco_jax.run import checkpoints as checkpoints_lib
-from diloco_jax.run import state_records
 from diloco_jax.run import overlap_watch
 from diloco_jax.run import placing
 from diloco_jax.run import progress as progress_lib
@@ -36,6 +35,7 @@ from diloco_jax.run import recovery
 from diloco_jax.run import resume
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import start as start_lib
+from diloco_jax.run import state_records
 from diloco_jax.run import step_records
 from diloco_jax.run import syncs as syncs_lib
 
