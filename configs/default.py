@@ -21,11 +21,14 @@ def get_config():
   # 1M-param model), Nesterov's momentum overshoots and ends worse than a
   # single worker (eval loss 2.372 vs 2.077 at H=30), while averaging beats
   # it (1.949 at H=10). The paper starts DiLoCo from a pretrained model and
-  # syncs far fewer, smaller deltas. Try it: --config.diloco.outer_optimizer.name=nesterov
-  # (Nesterov at its defaults: the lr below is sgd's). This is the choice
-  # without overlap: --config.diloco.overlap=eager (or another mode) runs
-  # that mode's measured outer step unless the outer optimizer is set on
-  # the command line too (diloco_jax/config/outer_choice.py).
+  # syncs far fewer, smaller deltas. Try it:
+  #   --config.diloco.outer_optimizer.name=nesterov
+  #   --config.diloco.outer_optimizer.learning_rate=0.7
+  # (momentum 0.9 is Nesterov's default; without the lr flag, the lr 1 set
+  # below is used). This step is kept under every overlap mode: with
+  # --config.diloco.overlap=eager (or another mode) the run still averages,
+  # and its "outer step:" log line names the mode's measured step and the
+  # flags that select it (diloco_jax/config/overlap_defaults.py).
   config.diloco.outer_optimizer.name = "sgd"
   config.diloco.outer_optimizer.learning_rate = 1.0
 

@@ -11,15 +11,23 @@ steps. Sending e2m1 floats cuts the bytes 7.7x against fp32.
   python -m diloco_jax.main --config=configs/slow_link.py --workdir=runs/slow_link
 
 Where a fragment's sync takes longer than tau inner steps (a slower link,
-a bigger model), a whole-round overlap hides more: --config.diloco.
-fragments=1 --config.diloco.fragment_delay=0 --config.diloco.fragment_alpha=0
---config.diloco.overlap=eager (or one_step_delay_rebase), at a cost in loss
-over few rounds (docs/islands.md). The overlap then runs its own measured
-outer step (eager: Nesterov lr 0.5, momentum 0.7), not the averaging this
-config inherits for no overlap, unless --config.diloco.outer_optimizer.*
-sets one; the log's "outer step:" line says which. SparseLoCo
-(--config.diloco.outer_optimizer.name=sparseloco) sends its own codec in
-place of fp4.
+a bigger model), a whole-round overlap hides more, at a cost in loss over
+few rounds (docs/islands.md), best at its own measured outer step in place
+of the averaging (sgd, lr 1) this config inherits, which every overlap
+keeps unless flags set another:
+
+  --config.diloco.fragments=1 --config.diloco.fragment_delay=0
+  --config.diloco.fragment_alpha=0 --config.diloco.overlap=eager
+  --config.diloco.outer_optimizer.name=nesterov
+  --config.diloco.outer_optimizer.learning_rate=0.5
+  --config.diloco.outer_optimizer.momentum=0.7
+
+(one_step_delay_rebase: lr 0.7, momentum 0.5). The log's "outer step:" line
+names the overlap's measured step and its flags where the run takes
+another. SparseLoCo (--config.diloco.outer_optimizer.name=sparseloco
+--config.diloco.codec=fp32) sends its own chunked top-k in place of fp4
+and steps by config.diloco.sparseloco.alpha (1, the lr set here); another
+alpha takes --config.diloco.outer_optimizer.learning_rate at its value too.
 """
 
 from configs import default

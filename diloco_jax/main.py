@@ -190,7 +190,6 @@ def main(argv):
   _configure_devices(config)
   # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import guards
-  from diloco_jax.config import command_line
   from diloco_jax.config import validation
   from diloco_jax.data import errors as data_errors
   from diloco_jax.parallel import peer_watch
@@ -201,11 +200,8 @@ def main(argv):
   from diloco_jax.run import workdir
   # pylint: enable=g-import-not-at-top
   try:
-    # What the file chose for its own overlap and outer optimizer does
-    # not bind what the flags change (config/outer_choice.py).
     train.train_and_evaluate(
         config, _WORKDIR.value, launch_time=_LAUNCH_TIME,
-        command_line=command_line.from_flag(flags.FLAGS[_CONFIG.name]),
         started=_LOG_LINES.release)
   except stops.StopRequested as e:
     logging.warning("%s", e)

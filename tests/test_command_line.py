@@ -4,13 +4,16 @@ Configs are parsed as main.py parses them (ml_collections' config-file
 flag, the shipped file, the flags verbatim) and checked as a run checks
 them; two runs go through `python -m diloco_jax.main` itself:
 
-- a config file's outer optimizer is its choice for its own overlap:
-  `--config.diloco.overlap=eager` on configs/default.py and
-  configs/slow_link.py runs eager's measured outer step, unless flags set
-  the outer optimizer too, and a resumed run keeps the step it started
-  with;
-- `--config.diloco.outer_optimizer.name=sparseloco` with
-  `--config.diloco.sparseloco.alpha` alone works on every shipped config;
+- a field means the same whether the config file or a flag set it: the
+  outer step a config sets is kept whatever overlap the flags turn on
+  (configs/default.py's averaging stays averaging under
+  `--config.diloco.overlap=eager`), and what it leaves unset takes the
+  overlap's measured step;
+- the run's "outer step:" line names the overlap's measured step and the
+  flags that select it where the run takes another, and those flags parse
+  and select it;
+- SparseLoCo runs on every shipped config with the flags its refusal
+  names, if any;
 - pipelined islands' default microbatch count fits the batch, and where
   no count can, the refusal names the flag to set.
 """
@@ -19,6 +22,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -28,7 +32,6 @@ from ml_collections import config_flags
 
 from configs import tiny
 from diloco_jax.algorithm import overlap as overlap_lib
-from diloco_jax.config import command_line as command_line_lib
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
@@ -36,103 +39,156 @@ from diloco_jax.config import validation
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8  # conftest forces 8 CPU devices
 EAGER = ("nesterov", *overlap_defaults.NESTEROV_DEFAULTS["eager"])
+OVERLAPS = [o for o in overlap_lib.OVERLAPS if o != "none"]
 # configs/slow_link.py's docstring: its whole-round overlap, verbatim.
 SLOW_LINK_EAGER = ("--config.diloco.fragments=1",
                    "--config.diloco.fragment_delay=0",
                    "--config.diloco.fragment_alpha=0",
                    "--config.diloco.overlap=eager")
+SLOW_LINK_EAGER_STEP = ("--config.diloco.outer_optimizer.name=nesterov",
+                        "--config.diloco.outer_optimizer.learning_rate=0.5",
+                        "--config.diloco.outer_optimizer.momentum=0.7")
+# The configs that set an outer step of their own: (name, lr, momentum).
+SET_STEPS = {"configs/default.py": ("sgd", 1.0, None),
+             "configs/scaling.py:small": ("nesterov", 1.0, 0.0)}
 
 
 def _parse(config_file, *argv):
-  """(config, CommandLine) as main.py's --config flag gives them for
-  `--config=config_file *argv`."""
+  """The config main.py's --config flag gives for `--config=config_file
+  *argv`."""
   argv = ["main", f"--config={config_file}", *argv]
   flag_values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
                                   lock_config=True, sys_argv=argv)
   flag_values(argv)
-  return (flag_values["config"].value,
-          command_line_lib.from_flag(flag_values["config"]))
+  return flag_values["config"].value
 
 
 def _check(config_file, *argv):
   """The RunConfig a run of `config_file` with flags `argv` validates."""
-  config, command_line = _parse(config_file, *argv)
-  return validation.validate_config(config, NUM_DEVICES,
-                                    command_line=command_line)
+  return validation.validate_config(_parse(config_file, *argv), NUM_DEVICES)
 
 
 def _outer(run_config):
+  """(name, lr, momentum) of a checked config's outer step (momentum None
+  for sgd, which has none)."""
   outer = run_config.config.diloco.outer_optimizer
-  return outer.name, outer.learning_rate, outer.momentum
+  momentum = outer.momentum if outer.name in ("nesterov", "momentum") else None
+  return outer.name, outer.learning_rate, momentum
 
 
-# A config file's outer step is its choice for its own overlap.
+def _named_flags(line):
+  """The --config.* flags a log or error line names, in order."""
+  return re.findall(r"--config\.[\w.]+=[^\s,;)]+", line)
 
 
-@pytest.mark.parametrize("config_file,argv", [
-    ("configs/default.py", ("--config.diloco.overlap=eager",)),
-    ("configs/slow_link.py", SLOW_LINK_EAGER),
-])
-def test_eager_from_the_command_line_runs_eager_s_outer_step(
-    config_file, argv):
-  run_config = _check(config_file, *argv)
-  assert _outer(run_config) == EAGER
-  # The log line says which step and why, naming what was set aside.
-  assert run_config.outer_step.startswith(
-      f"outer step: nesterov lr {EAGER[1]:g} momentum {EAGER[2]:g}, the "
-      "measured default for overlap='eager'")
-  assert (f"{config_file} chose sgd lr 1 for overlap='none'"
-          in run_config.outer_step)
+# A config's outer step is the same whoever set it.
 
 
-@pytest.mark.parametrize("config_file", ["configs/default.py",
-                                         "configs/scaling.py:small"])
-@pytest.mark.parametrize("overlap", [o for o in overlap_lib.OVERLAPS
-                                     if o != "none"])
-def test_every_overlap_from_the_command_line_takes_its_measured_step(
+@pytest.mark.parametrize("config_file", sorted(SET_STEPS))
+@pytest.mark.parametrize("overlap", OVERLAPS)
+def test_a_files_outer_step_is_kept_whatever_overlap_a_flag_sets(
     config_file, overlap):
   run_config = _check(config_file, f"--config.diloco.overlap={overlap}")
+  assert _outer(run_config) == SET_STEPS[config_file]
+  # The same config built in Python: the same run, the same log line.
+  config = _parse(config_file)
+  config.diloco.overlap = overlap
+  built = validation.validate_config(config, NUM_DEVICES)
+  assert built.config == run_config.config
+  assert built.outer_step == run_config.outer_step
+
+
+def test_slow_link_s_whole_round_overlap_averages_unless_its_flags_say():
+  # Its docstring's overlap alone keeps the averaging it inherits; with
+  # the docstring's outer flags, eager's measured step.
+  assert _outer(_check("configs/slow_link.py", *SLOW_LINK_EAGER)) == (
+      "sgd", 1.0, None)
+  assert _outer(_check("configs/slow_link.py", *SLOW_LINK_EAGER,
+                       *SLOW_LINK_EAGER_STEP)) == EAGER
+  with open(os.path.join(REPO, "configs", "slow_link.py")) as f:
+    docstring = " ".join(f.read().split('"""')[1].split())
+  assert " ".join(SLOW_LINK_EAGER + SLOW_LINK_EAGER_STEP) in docstring
+
+
+@pytest.mark.parametrize("overlap", overlap_lib.OVERLAPS)
+def test_unset_fields_take_the_overlap_s_measured_step(overlap):
+  # configs/study.py names Nesterov and leaves its lr and momentum unset.
+  run_config = _check("configs/study.py:quick",
+                      f"--config.diloco.overlap={overlap}")
   assert _outer(run_config) == (
       "nesterov", *overlap_defaults.NESTEROV_DEFAULTS[overlap])
+  assert run_config.outer_step == (
+      f"outer step: nesterov lr {_outer(run_config)[1]:g} momentum "
+      f"{_outer(run_config)[2]:g}, the measured default for "
+      f"overlap={overlap!r} (config/overlap_defaults.py)")
 
 
 @pytest.mark.parametrize("argv,outer", [
-    # The file's own overlap, named on the command line: the file's step.
-    (("--config.diloco.overlap=none",), ("sgd", 1.0, None)),
-    # Flags for the outer optimizer are the user's choice, over the file's.
-    (("--config.diloco.overlap=eager",
-      "--config.diloco.outer_optimizer.name=sgd"), ("sgd", 1.0, None)),
+    # A flag sets one field; the others are the file's or the defaults.
     (("--config.diloco.overlap=eager",
       "--config.diloco.outer_optimizer.learning_rate=0.3"),
      ("sgd", 0.3, None)),
-    # The file's lr was its sgd's: Nesterov takes eager's lr, the flag's
-    # momentum.
-    (("--config.diloco.overlap=eager",
-      "--config.diloco.outer_optimizer.name=nesterov",
-      "--config.diloco.outer_optimizer.momentum=0.5"),
-     ("nesterov", EAGER[1], 0.5)),
+    # The file's lr 1 is Nesterov's too; its unset momentum the default.
     (("--config.diloco.outer_optimizer.name=nesterov",),
+     ("nesterov", 1.0, overlap_defaults.NESTEROV_DEFAULTS["none"][1])),
+    (("--config.diloco.overlap=eager",
+      "--config.diloco.outer_optimizer.name=nesterov"),
+     ("nesterov", 1.0, EAGER[2])),
+    (("--config.diloco.outer_optimizer.name=nesterov",
+      "--config.diloco.outer_optimizer.learning_rate=0.7"),
      ("nesterov", *overlap_defaults.NESTEROV_DEFAULTS["none"])),
 ])
-def test_flags_for_the_outer_optimizer_are_kept(argv, outer):
-  name, learning_rate, momentum = _outer(_check("configs/default.py", *argv))
-  assert (name, learning_rate) == outer[:2]
-  if outer[2] is not None:  # sgd has no momentum to compare
-    assert momentum == outer[2]
+def test_flags_and_the_file_set_fields_alike(argv, outer):
+  assert _outer(_check("configs/default.py", *argv)) == outer
 
 
-def test_a_config_built_in_python_keeps_its_outer_step():
-  """The studies build configs in Python: every field is their author's
-  (no command line, nothing set aside; their runs and hashes stay)."""
-  config, _ = _parse("configs/default.py")
-  config.diloco.overlap = "eager"
-  run_config = validation.validate_config(config, NUM_DEVICES)
-  assert _outer(run_config)[:2] == ("sgd", 1.0)
-  assert run_config.outer_step == "outer step: sgd lr 1, as the config sets it"
+# The log line: which step, from where, and the overlap's measured one.
 
 
-# SparseLoCo with its alpha alone, on every shipped config.
+def test_the_line_names_the_measured_step_and_its_flags():
+  run_config = _check("configs/default.py", "--config.diloco.overlap=eager")
+  assert run_config.outer_step == (
+      "outer step: sgd lr 1, as the config sets it; the measured default "
+      "for overlap='eager' is nesterov lr 0.5 momentum 0.7: "
+      "--config.diloco.outer_optimizer.name=nesterov "
+      "--config.diloco.outer_optimizer.learning_rate=0.5 "
+      "--config.diloco.outer_optimizer.momentum=0.7")
+
+
+def test_a_partly_set_step_says_which_field_came_from_where():
+  run_config = _check("configs/study.py:quick",
+                      "--config.diloco.overlap=eager",
+                      "--config.diloco.outer_optimizer.learning_rate=1.0")
+  assert run_config.outer_step == (
+      "outer step: nesterov lr 1 momentum 0.7, lr as the config sets it, "
+      "momentum the measured default for overlap='eager' "
+      "(config/overlap_defaults.py); the measured default for "
+      "overlap='eager' is nesterov lr 0.5 momentum 0.7: "
+      + overlap_defaults.measured_flags("eager"))
+
+
+@pytest.mark.parametrize("config_file", sorted(SET_STEPS))
+@pytest.mark.parametrize("overlap", overlap_lib.OVERLAPS)
+def test_the_flags_the_line_names_parse_and_select_that_step(
+    config_file, overlap):
+  argv = (f"--config.diloco.overlap={overlap}",)
+  named = _named_flags(_check(config_file, *argv).outer_step)
+  # None where the file's step is the measured one already (scaling.py's
+  # lr 1, momentum 0 is eager_share's).
+  assert len(named) == (
+      0 if SET_STEPS[config_file] == (
+          "nesterov", *overlap_defaults.NESTEROV_DEFAULTS[overlap]) else 3)
+  run_config = _check(config_file, *argv, *named)
+  assert _outer(run_config) == (
+      "nesterov", *overlap_defaults.NESTEROV_DEFAULTS[overlap])
+  # At the measured step the line names nothing more.
+  assert run_config.outer_step == (
+      f"outer step: nesterov lr {_outer(run_config)[1]:g} momentum "
+      f"{_outer(run_config)[2]:g}, as the config sets it")
+
+
+# SparseLoCo on every shipped config, with what its refusal names.
 
 
 def _shipped_configs():
@@ -147,25 +203,53 @@ def _shipped_configs():
   return found
 
 
-@pytest.mark.parametrize("config_file", _shipped_configs())
-def test_sparseloco_takes_alpha_alone_on_every_shipped_config(config_file):
-  config, command_line = _parse(
-      config_file, "--config.diloco.outer_optimizer.name=sparseloco",
-      "--config.diloco.sparseloco.alpha=0.5")
+def _refused(argv_config, argv):
+  """The refusal's lines of a run of config `argv_config` with `argv`
+  other than the C4 configs' missing data ([] when it validates)."""
   try:
-    run_config = validation.validate_config(config, NUM_DEVICES,
-                                            command_line=command_line)
+    _check(argv_config, *argv)
   except validation.ConfigError as e:
-    # The C4 configs need their data; nothing else may be refused.
-    refused = [line.strip() for line in str(e).splitlines()
-               if line.startswith(("  ", "config."))]
-    assert refused and all(line.startswith("config.data.")
-                           for line in refused), str(e)
-    return
+    return [line.strip() for line in str(e).splitlines()
+            if line.strip().startswith("config.")
+            and not line.strip().startswith("config.data.")]
+  return []
+
+
+@pytest.mark.parametrize("config_file", _shipped_configs())
+def test_sparseloco_runs_on_every_shipped_config_with_the_flags_it_names(
+    config_file):
+  argv = ("--config.diloco.outer_optimizer.name=sparseloco",
+          "--config.diloco.sparseloco.alpha=0.5")
+  # Each refusal names its fix first: the flags that make the config's
+  # own settings agree with SparseLoCo's.
+  fixes = [_named_flags(line)[0] for line in _refused(config_file, argv)]
+  assert not _refused(config_file, (*argv, *fixes))
+  try:
+    run_config = _check(config_file, *argv, *fixes)
+  except validation.ConfigError:
+    return  # the C4 configs need their data
   diloco = run_config.config.diloco
   assert (diloco.outer_optimizer.learning_rate,
           diloco.outer_optimizer.momentum, diloco.codec) == (0.5, 0.0, "fp32")
   assert run_config.outer_step.startswith("outer step: sparseloco alpha 0.5")
+
+
+@pytest.mark.parametrize("config_file,argv,fixes", [
+    # configs/default.py's lr 1 is alpha's default: nothing to add.
+    ("configs/default.py", (), ()),
+    ("configs/default.py", ("--config.diloco.sparseloco.alpha=0.5",),
+     ("--config.diloco.outer_optimizer.learning_rate=0.5",)),
+    # Its fp4 is refused; scaling's momentum 0 is SparseLoCo's.
+    ("configs/slow_link.py", (), ("--config.diloco.codec=fp32",)),
+    ("configs/scaling.py:small", (), ()),
+    ("configs/study.py:quick", ("--config.diloco.sparseloco.alpha=0.5",),
+     ()),
+])
+def test_sparseloco_refuses_what_it_would_not_use_naming_the_fix(
+    config_file, argv, fixes):
+  argv = ("--config.diloco.outer_optimizer.name=sparseloco", *argv)
+  assert [_named_flags(line)[0] for line in _refused(config_file, argv)] == (
+      list(fixes))
 
 
 def test_sparseloco_refuses_a_learning_rate_set_on_the_command_line():
@@ -274,10 +358,13 @@ def test_eager_on_the_default_config_through_main_and_its_resume(tmp_path):
   argv = ["--config=configs/default.py", "--config.diloco.overlap=eager"]
   first = _main(workdir, *argv, *_tiny_sized(8))
   assert first.returncode == 0, first.stderr[-3000:]
+  # The file's averaging, and a line naming eager's step and its flags.
   lines = [line for line in first.stderr.splitlines() if "outer step:" in line]
-  assert len(lines) == 1 and (
-      f"outer step: nesterov lr {EAGER[1]:g} momentum {EAGER[2]:g}" in lines[0])
-  assert _saved_outer(workdir) == EAGER
+  assert len(lines) == 1 and lines[0].endswith(
+      "outer step: sgd lr 1, as the config sets it; the measured default "
+      "for overlap='eager' is nesterov lr 0.5 momentum 0.7: "
+      + overlap_defaults.measured_flags("eager"))
+  assert _saved_outer(workdir)[:2] == ("sgd", 1.0)
   # The same command, extended: the run resumes at the outer step it
   # started with.
   resumed = _main(workdir, *argv, *_tiny_sized(12),
@@ -287,4 +374,4 @@ def test_eager_on_the_default_config_through_main_and_its_resume(tmp_path):
     summary = json.load(f)
   assert summary["resumed_from_step"] == 8 and summary["rounds"] == 6
   assert [c["field"] for c in summary["config_changes"]] == ["total_steps"]
-  assert _saved_outer(workdir) == EAGER
+  assert _saved_outer(workdir)[:2] == ("sgd", 1.0)

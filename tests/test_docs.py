@@ -34,7 +34,6 @@ from ml_collections import config_flags
 import pytest
 import sentencepiece
 
-from diloco_jax.config import command_line
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
@@ -335,9 +334,7 @@ def _main_problems(args: list[str], reader_files, prose: bool = False
   devices = (run_config.effective_islands(config)
              * run_config.devices_per_island(config))
   try:
-    validation.validate_config(
-        config, num_devices=devices,
-        command_line=command_line.from_flag(parsed["config"]))
+    validation.validate_config(config, num_devices=devices)
   except validation.ConfigError as e:
     problems.append(str(e))
   return problems

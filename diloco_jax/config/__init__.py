@@ -7,11 +7,10 @@
   diloco_checks.py the checks of config.diloco.
   pipeline_checks.py the checks of pipelined islands (mesh.stage, pipeline).
   overlap_defaults.py the outer optimizer's defaults per overlap mode,
-                   filled in where a config leaves them unset.
-  outer_choice.py  which outer step a run uses and why: what a config file
-                   chose for its own overlap or optimizer, set aside where
-                   the flags change those (command_line.py: what the
-                   --config.* flags changed of their file).
+                   filled in where a config leaves them unset (what it
+                   sets is kept, file or flag alike), and the run's
+                   'outer step:' log line, naming the overlap's measured
+                   step and its flags where the run takes another.
   problems.py      collecting problems; ConfigError.
   run_config.py    RunConfig: the frozen config with what it stands for
                    parsed once (islands, codec, schedule, participation,

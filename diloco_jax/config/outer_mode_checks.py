@@ -33,16 +33,26 @@ def _check_sparseloco(config, problems: Problems, set_outer: dict) -> None:
       diloco.codec == "fp32", "diloco.codec",
       f"config.diloco.codec={diloco.codec!r}: SparseLoCo sends its own "
       "chunked top-k (config.diloco.sparseloco.density, chunk_size, bits); "
-      "leave the codec at 'fp32'")
-  wanted = {"learning_rate": diloco.sparseloco.alpha, "momentum": 0.0}
-  for field, value in set_outer.items():
-    problems.require(
-        value is None or value == wanted[field],
-        f"diloco.outer_optimizer.{field}",
-        f"config.diloco.outer_optimizer.{field}={value!r} is not used by "
-        "SparseLoCo: its learning rate is config.diloco.sparseloco.alpha "
-        "and its momentum the error feedback's config.diloco.sparseloco."
-        "beta")
+      "set --config.diloco.codec=fp32")
+  # A learning rate or momentum the config sets (its file or a flag) is
+  # refused where SparseLoCo would not use it; the fix names both ways.
+  alpha = diloco.sparseloco.alpha
+  learning_rate = set_outer["learning_rate"]
+  problems.require(
+      learning_rate is None or learning_rate == alpha,
+      "diloco.outer_optimizer.learning_rate",
+      f"config.diloco.outer_optimizer.learning_rate={learning_rate!r} is "
+      "not used by SparseLoCo: its step is config.diloco.sparseloco.alpha="
+      f"{alpha!r} (set --config.diloco.outer_optimizer.learning_rate="
+      f"{alpha!r} to step by alpha, or --config.diloco.sparseloco.alpha="
+      f"{learning_rate!r} to step by {learning_rate!r})")
+  momentum = set_outer["momentum"]
+  problems.require(
+      momentum is None or momentum == 0.0,
+      "diloco.outer_optimizer.momentum",
+      f"config.diloco.outer_optimizer.momentum={momentum!r} is not used by "
+      "SparseLoCo: its momentum is the error feedback's config.diloco."
+      "sparseloco.beta (set --config.diloco.outer_optimizer.momentum=0.0)")
 
 
 def _check_feedback_under_momentum(config, problems: Problems) -> None:

@@ -102,7 +102,7 @@ class RunConfig:
     data: config.data's settings.
     streaming: whether the run is Streaming DiLoCo.
     outer_step: the outer step and why, for the log ('' outside DiLoCo;
-      outer_choice.describe).
+      overlap_defaults.describe).
     diloco: config.diloco, typed.
   """
   config: ml_collections.FrozenConfigDict

@@ -122,8 +122,8 @@ def _outer_optimizer() -> Section:
   return Section({
       "name": "nesterov",  # see schema.OUTER_OPTIMIZERS
       # Unset (None): the overlap mode's default, filled in by validation
-      # (config/overlap_defaults.py); a config file's choice holds for its
-      # own overlap mode (config/outer_choice.py).
+      # (config/overlap_defaults.py). A value set is used under every
+      # overlap mode, whether a config file or a flag set it.
       "learning_rate": config_dict.placeholder(float),
       "momentum": config_dict.placeholder(float),  # nesterov / momentum
       "b1": 0.9,  # adam

@@ -12,9 +12,7 @@ diloco_checks.py's.
 
 from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
-from diloco_jax.config import command_line as command_line_lib
 from diloco_jax.config import diloco_checks
-from diloco_jax.config import outer_choice
 from diloco_jax.config import outer_mode_checks
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import pipeline_checks
@@ -74,25 +72,21 @@ _FLAGS = ("model.tie_embeddings", "model.remat", "mesh.fsdp",
 
 def validate_config(
     config, num_devices: int,
-    command_line: command_line_lib.CommandLine | None = None,
     elastic: bool = False) -> run_config.RunConfig:
   """The checked `config` as a RunConfig; ConfigError listing every problem.
 
-  The RunConfig holds `config` with the outer settings its file made for
-  another overlap or outer optimizer set aside (outer_choice.choose) and
-  unset defaults filled in (overlap_defaults.resolve); `config` itself is
-  not changed.
+  The RunConfig holds `config` with the outer optimizer's unset learning
+  rate and momentum filled in (overlap_defaults.resolve); `config` itself
+  is not changed. A field means the same whoever set it, a config file or
+  a --config.* flag: what the config sets is used as it is.
 
   Args:
     config: a config built from `config_schema.base_config()`.
     num_devices: how many devices the mesh can be built from.
-    command_line: the config file and --config.* flags `config` was built
-      from (main.py's), or None for a config built in Python.
     elastic: whether the run is on elastic islands (python -m
       diloco_jax.elastic), the only runs whose islands the testing hooks
       kill_island and slow_island reach.
   """
-  config, outer_note = outer_choice.choose(config, command_line)
   outer = config.diloco.outer_optimizer
   set_outer = {"learning_rate": outer.learning_rate,
                "momentum": outer.momentum}
@@ -122,7 +116,7 @@ def validate_config(
   problems.raise_if_any()
   return run_config.build(
       config, data,
-      outer_step=outer_choice.describe(config, set_outer, outer_note))
+      outer_step=overlap_defaults.describe(config, set_outer))
 
 
 def _check_elastic_hooks(config, elastic: bool, problems: Problems) -> None:

@@ -53,7 +53,7 @@ from diloco_jax.run import workdir as workdir_lib
 
 def train_and_evaluate(config, workdir: str, devices=None,
                        launch_time: float | None = None,
-                       command_line=None, started=None) -> dict:
+                       started=None) -> dict:
   """Trains as `config` says, writing metrics, checkpoints and a summary.
 
   Rerunning with the same workdir resumes from the newest checkpoint; a run
@@ -69,11 +69,6 @@ def train_and_evaluate(config, workdir: str, devices=None,
       fits, each slot holding k / d islands.
     launch_time: time.time() when the process started, for `startup_s`
       (default: when this function was called).
-    command_line: the config file and --config.* flags `config` was built
-      from (main.py's config/command_line.CommandLine), so that what the
-      file chose for another overlap or outer optimizer than the flags ask
-      for is set aside (config/outer_choice.py); None: every field of
-      `config` is the caller's choice.
     started: called (with no arguments, maybe more than once) when the run
       has started writing in its workdir: its state restored or made,
       config.json and the metrics files written (main.py prints its log
@@ -101,8 +96,7 @@ def train_and_evaluate(config, workdir: str, devices=None,
           devices, per_process=max(config.mesh.get("stage", 1), 1))
     except ValueError as e:
       raise validation.ConfigError(str(e)) from None
-  run_config = validation.validate_config(config, num_devices=len(devices),
-                                          command_line=command_line)
+  run_config = validation.validate_config(config, num_devices=len(devices))
   if run_config.outer_step:
     logging.info("%s", run_config.outer_step)
   setup_lib.check_processes(run_config, devices)
