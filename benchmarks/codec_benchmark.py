@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
@@ -108,9 +109,9 @@ def _outer_steps(config, names, params, shapes) -> None:
     compression = _compression(config, name)
     # A stateless inner optimizer keeps memory to the params the step reads.
     # A copy: the step donates its state, which would free `params`.
-    state = state_lib.init_state(jax.tree.map(jnp.copy, params),
-                                 optax.sgd(1.0), outer_opt, islands,
-                                 compression=compression)
+    state = outer_settings.init_state(jax.tree.map(jnp.copy, params),
+                                      optax.sgd(1.0), outer_opt, islands,
+                                      compression=compression)
     state = jax.device_put(state, state_lib.state_shardings(state, mesh))
     step = outer_step_lib.make_outer_step(outer_opt, mesh, compression)
     holder = {"state": state}
@@ -124,7 +125,7 @@ def _outer_steps(config, names, params, shapes) -> None:
     baseline = baseline or seconds
     sent = compression_lib.mean_bytes(
         shapes, islands, compression,
-        compression_lib.rank_indices(holder["state"].codec_state))
+        compression_lib.rank_indices(holder["state"].outer.codec_state))
     # Free this codec's state and programs before the next one's: two
     # 150M states with their temporaries do not fit in 24 GB.
     holder.clear()

@@ -138,6 +138,7 @@ def _checkpoint(tmp: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from configs import c4_150m  # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+  from diloco_jax.algorithm import outer_settings  # pylint: disable=g-import-not-at-top
   from diloco_jax.algorithm import state as state_lib  # pylint: disable=g-import-not-at-top
   from diloco_jax.config import overlap_defaults  # pylint: disable=g-import-not-at-top
   from diloco_jax.config import run_config  # pylint: disable=g-import-not-at-top
@@ -151,8 +152,8 @@ def _checkpoint(tmp: str) -> None:
   outer = optimizers.outer_optimizer(run_config.outer_optimizer(
       overlap_defaults.resolve(c4).diloco.outer_optimizer))
   with jax.default_device(jax.devices()[0]):
-    state = jax.jit(lambda p: state_lib.init_state(p, inner, outer,
-                                                   islands))(params)
+    state = jax.jit(lambda p: outer_settings.init_state(p, inner, outer,
+                                                        islands))(params)
   jax.block_until_ready(state)
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   checkpointer = checkpoints.Checkpointer(os.path.join(tmp, "ckpt"))

@@ -75,6 +75,7 @@ def main(argv):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
   from diloco_jax.algorithm import compression as compression_lib
+  from diloco_jax.algorithm import outer_settings
   from diloco_jax.algorithm import outer_step as outer_step_lib
   from diloco_jax.algorithm import state as state_lib
   from diloco_jax.config import schema
@@ -95,9 +96,9 @@ def main(argv):
   for name in _CODECS.value:
     compression = _compression(name)
     for fsdp in (False, True):
-      state = state_lib.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
-                                   islands, error_feedback=True,
-                                   compression=compression)
+      state = outer_settings.init_state(params, optax.adam(1e-3),
+                                        optax.sgd(1.0), islands, error_feedback=True,
+                                        compression=compression)
       state = jax.device_put(state,
                              state_lib.state_shardings(state, mesh, fsdp))
       weights = jax.device_put(jnp.ones(islands),

@@ -152,7 +152,7 @@ def _memory_row(stages: int) -> tuple[int, int, int]:
       setup_lib.loss_function(config, mesh), spec.inner_opt, mesh)
   memory = step.lower(state, batch).compile().memory_analysis()
   held = stages_lib.bytes_per_device(
-      [state.global_params, state.outer_opt_state, state.island_params,
+      [state.global_params, state.outer.outer_opt_state, state.island_params,
        state.inner_opt_state])
   return held, memory.argument_size_in_bytes, memory.temp_size_in_bytes
 

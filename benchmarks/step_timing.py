@@ -46,6 +46,7 @@ class InnerSteps:
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from diloco_jax.algorithm import inner_step as inner_step_lib
     from diloco_jax.algorithm import optimizers  # pylint: disable=g-import-not-at-top
+    from diloco_jax.algorithm import outer_settings
     from diloco_jax.algorithm import outer_step as outer_step_lib
     from diloco_jax.algorithm import state as state_lib
     from diloco_jax.config import overlap_defaults
@@ -61,7 +62,7 @@ class InnerSteps:
         config.total_steps)
     outer_opt = optimizers.outer_optimizer(run_config.outer_optimizer(
         overlap_defaults.resolve(config).diloco.outer_optimizer))
-    init = lambda seed: state_lib.init_state(
+    init = lambda seed: outer_settings.init_state(
         model_lib.new_params(config.model, seed), inner_opt, outer_opt,
         islands)
     shardings = state_lib.state_shardings(jax.eval_shape(init, 0), mesh)

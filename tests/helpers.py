@@ -14,6 +14,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import schema as config_schema
@@ -119,8 +120,8 @@ def state_after_one_inner_step(islands: int, compression=None,
   params = jax.tree.map(np.array, params)
   inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
   mesh = mesh_lib.build_mesh(islands)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                               error_feedback, compression)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands,
+                                    error_feedback, compression)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   batch = jax.device_put(random_batches(1, islands, 2)[0],
                          NamedSharding(mesh, state_lib.BATCH_SPEC))

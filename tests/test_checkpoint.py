@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.run import checkpoints as checkpointing
 from diloco_jax.run import metrics as metrics_lib
@@ -202,7 +203,7 @@ def test_resume_with_a_different_number_of_islands(tmp_path, caplog,
 def test_resize_islands_keeps_survivors_and_starts_new_islands_from_x():
   params, loss_fn = helpers.tiny_problem()
   inner_opt, outer_opt = optax.adam(1e-2), optax.sgd(1.0)
-  state = state_lib.init_state(params, inner_opt, outer_opt, 2)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, 2)
   # Make island params and optimizer states differ from x and from fresh.
   state = state.replace(
       island_params=jax.tree.map(lambda y: y + 1.0, state.island_params),

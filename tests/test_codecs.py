@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as codecs
@@ -199,7 +200,8 @@ def test_outer_step_sends_the_int8_payload_in_one_program():
   params = jax.tree.map(np.array, params)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands)
-  state = state_lib.init_state(params, optax.adam(1e-3), outer_opt, islands)
+  state = outer_settings.init_state(params, optax.adam(1e-3), outer_opt,
+                                    islands)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))
   codec = codecs.make_codec("int8")
@@ -269,8 +271,8 @@ def test_error_feedback_residuals_live_in_the_state():
     state, outer, weights = helpers.state_after_one_inner_step(
         islands, codec, error_feedback)
     final[error_feedback] = outer(state, weights)
-  assert final[False].residuals is None
-  residual_leaves = jax.tree.leaves(final[True].residuals)
+  assert final[False].outer.residuals is None
+  residual_leaves = jax.tree.leaves(final[True].outer.residuals)
   assert residual_leaves[0].shape[0] == islands
   assert max(float(jnp.abs(r).max()) for r in residual_leaves) > 0
   # Both runs sent the same first round: the residual starts at zero.

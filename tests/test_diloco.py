@@ -14,6 +14,7 @@ from diloco_jax.config import run_config
 from diloco_jax.algorithm import evaluation as evaluation_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import schema as config_schema
@@ -28,7 +29,7 @@ def _setup(islands, data=1, outer=None, seed=0):
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   outer_opt = outer or optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   return params, loss_fn, inner_opt, outer_opt, mesh, state
 
@@ -164,7 +165,7 @@ def test_a_round_without_islands_moves_neither_x_nor_the_outer_state():
   islands = 2
   state, outer_step, mesh = _diverged_islands_state(
       islands, optax.sgd(0.7, momentum=0.9, nesterov=True))
-  before = jax.device_get((state.global_params, state.outer_opt_state))
+  before = jax.device_get((state.global_params, state.outer.outer_opt_state))
   # Momentum alone would move x: its trace is not zero after one round.
   assert any(np.abs(leaf).max() > 0
              for leaf in jax.tree.leaves(before[1]))
@@ -172,7 +173,7 @@ def test_a_round_without_islands_moves_neither_x_nor_the_outer_state():
     if poisoned:
       state = _poison(_poison(state, 0), 1)
     state = outer_step(state, _island_weights(weights, mesh))
-    after = jax.device_get((state.global_params, state.outer_opt_state))
+    after = jax.device_get((state.global_params, state.outer.outer_opt_state))
     jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
@@ -204,14 +205,14 @@ def test_codecs_leave_out_a_nan_island(codec):
   compression = run_config.compression(config)
   state, outer_step, weights = helpers.state_after_one_inner_step(
       4, compression, error_feedback=True)
-  residuals_before = jax.device_get(state.residuals)
+  residuals_before = jax.device_get(state.outer.residuals)
   state = outer_step(_poison(state, 2), weights)
   for leaf in jax.tree.leaves(jax.device_get(
-      (state.global_params, state.codec_state, state.residuals))):
+      (state.global_params, state.outer.codec_state, state.outer.residuals))):
     assert np.isfinite(np.asarray(leaf, np.float64)).all()
   # The diverged island keeps the residual it had (it sent nothing).
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[2], b[2]),
-               jax.device_get(state.residuals), residuals_before)
+               jax.device_get(state.outer.residuals), residuals_before)
 
 
 def test_nesterov_outer_update_matches_optax_reference():
@@ -297,9 +298,9 @@ def test_every_outer_optimizer_steps_by_its_own_rule(name):
   params = jax.tree.map(np.array, params)
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   mesh = mesh_lib.build_mesh(islands)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                               run_config.keeps_residuals(config),
-                               compression)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands,
+                                    run_config.keeps_residuals(config),
+                                    compression)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   outer_step = outer_step_lib.make_outer_step(outer_opt, mesh, compression)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import validation
 from diloco_jax.run import train
@@ -101,16 +102,17 @@ def test_eager_follows_the_hand_written_rule(islands, data, fsdp, overlap,
     # The islands send their points less their y, in float32: each point's
     # own rounding (below, to 1e-6 of |x| <= ~1) reaches the mean and the
     # shares.
-    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-6)
-    helpers.assert_trees_close(state.anchors, _stack(points), rtol=1e-5,
+    helpers.assert_trees_close(state.outer.in_flight, mean, rtol=1e-5,
                                atol=1e-6)
-    helpers.assert_trees_close(state.own_shares, _stack(shares), rtol=1e-5,
+    helpers.assert_trees_close(state.outer.anchors, _stack(points), rtol=1e-5,
                                atol=1e-6)
-    helpers.assert_trees_close(state.island_outer_opt_state[0].trace,
+    helpers.assert_trees_close(state.outer.own_shares, _stack(shares),
+                               rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.outer.outer_opt_state[0].trace,
                                _stack(momenta), rtol=1e-5, atol=1e-6)
     # Every island starts the next round from its own point.
     jax.tree.map(np.testing.assert_array_equal,
-                 jax.device_get(state.anchors),
+                 jax.device_get(state.outer.anchors),
                  jax.device_get(state.island_params))
   state = flush(state)
   # The rest of the last mean, then the islands' average.
@@ -123,15 +125,15 @@ def test_eager_follows_the_hand_written_rule(islands, data, fsdp, overlap,
   helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
   stacked = jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
                          jax.device_get(state.global_params))
-  for tree in (state.island_params, state.anchors):
+  for tree in (state.island_params, state.outer.anchors):
     helpers.assert_trees_close(tree, stacked, rtol=0, atol=0)
   helpers.assert_trees_close(
-      state.island_outer_opt_state[0].trace,
+      state.outer.outer_opt_state[0].trace,
       jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
                    momentum), rtol=1e-5, atol=1e-6)
-  assert not bool(state.in_flight_valid)
+  assert not bool(state.outer.in_flight_valid)
   assert not any(np.any(leaf) for leaf in jax.tree.leaves(
-      jax.device_get(state.own_shares)))
+      jax.device_get(state.outer.own_shares)))
   assert all(np.isfinite(leaf).all()
              for leaf in jax.tree.leaves(jax.device_get(state)))
 
@@ -143,25 +145,25 @@ def test_islands_that_join_start_from_the_islands_average():
   params, _ = helpers.tiny_problem()
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  state = state_lib.init_state(params, inner_opt, outer_opt, 2,
-                               overlap="eager")
+  state = outer_settings.init_state(params, inner_opt, outer_opt, 2,
+                                    overlap="eager")
   moved = jax.tree.map(lambda a: a + jnp.arange(2.0).reshape(
-      (2,) + (1,) * (a.ndim - 1)), state.anchors)
-  state = state.replace(anchors=moved, island_params=moved,
-                        own_shares=jax.tree.map(jnp.ones_like,
-                                                state.own_shares))
+      (2,) + (1,) * (a.ndim - 1)), state.outer.anchors)
+  state = state.replace(island_params=moved, outer=state.outer.replace(
+      anchors=moved,
+      own_shares=jax.tree.map(jnp.ones_like, state.outer.own_shares)))
   more = state_lib.resize_islands(state, 3, inner_opt)
   average = jax.tree.map(lambda a: a.mean(0), moved)
-  helpers.assert_trees_close(_per_island(more.anchors, 2), average,
+  helpers.assert_trees_close(_per_island(more.outer.anchors, 2), average,
                              rtol=1e-6, atol=1e-6)
   helpers.assert_trees_close(_per_island(more.island_params, 2), average,
                              rtol=1e-6, atol=1e-6)
   helpers.assert_trees_close(
-      jax.tree.map(lambda a: a[:2], more.anchors), moved, rtol=0, atol=0)
+      jax.tree.map(lambda a: a[:2], more.outer.anchors), moved, rtol=0, atol=0)
   assert not any(np.any(np.asarray(leaf)[2]) for leaf in
-                 jax.tree.leaves(more.own_shares))
+                 jax.tree.leaves(more.outer.own_shares))
   assert all(np.all(np.asarray(leaf)[:2] == 1) for leaf in
-             jax.tree.leaves(more.own_shares))
+             jax.tree.leaves(more.outer.own_shares))
   # Evaluated mid-run, x is the islands' average point.
   helpers.assert_trees_close(
       state_lib.evaluation_params(state, "diloco"), average, rtol=1e-6,
@@ -197,10 +199,13 @@ def test_one_island_eager_is_diloco_without_overlap(tmp_path):
                              plain["final_eval_loss"], rtol=1e-6)
   eager_state = test_checkpoint._final_state(str(tmp_path / "eager"))  # pylint: disable=protected-access
   plain_state = test_checkpoint._final_state(str(tmp_path / "plain"))  # pylint: disable=protected-access
-  for field in ("global_params", "island_params", "inner_opt_state",
-                "outer_opt_state"):
+  for field in ("global_params", "island_params", "inner_opt_state"):
     helpers.assert_trees_close(eager_state[field], plain_state[field],
                                rtol=1e-5, atol=1e-6)
+  # Eager updates keep the one island's outer state, [1, ...].
+  helpers.assert_trees_close(
+      jax.tree.map(lambda a: a[0], eager_state["outer"]["outer_opt_state"]),
+      plain_state["outer"]["outer_opt_state"], rtol=1e-5, atol=1e-6)
   losses = lambda run: [record["train_loss"] for record in
                         test_checkpoint._metrics(str(tmp_path / run))]  # pylint: disable=protected-access
   np.testing.assert_allclose(losses("eager"), losses("plain"), rtol=1e-6)
@@ -246,13 +251,14 @@ def test_one_island_s_eager_update_is_its_mean_bit_for_bit():
       1, overlap="eager")
   weights = test_overlap._weights([3.0], mesh)  # pylint: disable=protected-access
   for r in range(3):
-    start = jax.tree.map(lambda a: a[0], jax.device_get(state.anchors))
+    start = jax.tree.map(lambda a: a[0], jax.device_get(state.outer.anchors))
     y = jax.tree.map(np.asarray, test_overlap._islands_moved(  # pylint: disable=protected-access
         start, test_overlap._random_deltas(jax.random.key(r), params, 1)))  # pylint: disable=protected-access
     state = outer(test_overlap._set_islands(state, y, shardings), weights)  # pylint: disable=protected-access
     jax.tree.map(np.testing.assert_array_equal,
                  jax.tree.map(lambda v: v[None], jax.device_get(
-                     state.in_flight)), jax.device_get(state.own_shares))
+                     state.outer.in_flight)),
+                 jax.device_get(state.outer.own_shares))
 
 
 @pytest.mark.parametrize("warmup,killed_at", [
@@ -270,7 +276,7 @@ def test_resume_with_a_mean_in_flight_is_exact(tmp_path, warmup, killed_at):
   assert summary["overlap"] == "eager"
   test_checkpoint.forget_after(whole, resumed, killed_at)
   saved = test_checkpoint._final_state(resumed)  # pylint: disable=protected-access
-  assert saved["in_flight_valid"]
+  assert saved["outer"]["in_flight_valid"]
   train.train_and_evaluate(config(), resumed)
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
 

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as codecs
@@ -79,9 +80,9 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = _placed(islands, num_devices)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                               settings.get("error_feedback", False),
-                               settings["compression"])
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands,
+                                    settings.get("error_feedback", False),
+                                    settings["compression"])
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   ddp = settings.get("ddp", False)
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh,
@@ -166,9 +167,10 @@ def test_one_device_outer_step_has_no_collective(variant):
   settings = VARIANTS[variant]
   params, _ = helpers.tiny_problem()
   mesh = _placed(islands, 1)
-  state = state_lib.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands,
-                               settings.get("error_feedback", False),
-                               settings["compression"])
+  state = outer_settings.init_state(params, optax.adam(1e-2), optax.sgd(1.0),
+                                    islands,
+                                    settings.get("error_feedback", False),
+                                    settings["compression"])
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))
@@ -183,7 +185,7 @@ def test_folded_int8_sends_int8_across_devices():
   islands = 8
   params, _ = helpers.tiny_problem()
   mesh = _placed(islands, 2)
-  state = state_lib.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands)
+  state = outer_settings.init_state(params, optax.adam(1e-2), optax.sgd(1.0), islands)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   weights = jax.device_put(jnp.ones(islands),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))

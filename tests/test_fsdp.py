@@ -19,6 +19,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as codecs
@@ -58,7 +59,7 @@ def _run(data: int, fsdp: bool, codec=None, rounds: int = 2,
   inner_opt = optax.adamw(1e-3, weight_decay=0.1)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = _mesh(data)
-  state = state_lib.init_state(params, inner_opt, outer_opt, ISLANDS)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, ISLANDS)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh, fsdp))
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh, fsdp=fsdp)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, codec, fsdp=fsdp)
@@ -122,7 +123,7 @@ def _argument_bytes(data: int, fsdp: bool) -> int:
   params, loss_fn = _problem()
   inner_opt = optax.adamw(1e-3)
   mesh = _mesh(data)
-  state = state_lib.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
+  state = outer_settings.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
   shardings = state_lib.state_shardings(state, mesh, fsdp)
   abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -146,8 +147,8 @@ def test_fsdp_shrinks_per_device_state_memory_by_the_shard_count(data):
 def _outer_step_memory(data: int, fsdp: bool, codec):
   params, _ = _problem()
   mesh = _mesh(data)
-  state = state_lib.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
-                               ISLANDS)
+  state = outer_settings.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
+                                    ISLANDS)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh, fsdp))
   weights = jax.device_put(jnp.ones(ISLANDS),
                            NamedSharding(mesh, P(mesh_lib.ISLAND)))

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import island_sync as island_sync_lib
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as codecs
@@ -53,9 +54,9 @@ def _sync_inputs(compression, mesh, fsdp: bool):
   """x, islands' params a step of noise away, zero residuals and the codec
   state, placed on `mesh` (split over 'data' with `fsdp`)."""
   params, _ = test_fsdp._problem()  # pylint: disable=protected-access
-  state = state_lib.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
-                               ISLANDS, error_feedback=True,
-                               compression=compression)
+  state = outer_settings.init_state(params, optax.adam(1e-3), optax.sgd(1.0),
+                                    ISLANDS, error_feedback=True,
+                                    compression=compression)
   keys = jax.random.split(jax.random.key(0), len(jax.tree.leaves(params)))
   noise = jax.tree.unflatten(jax.tree.structure(params), [
       0.01 * jax.random.normal(k, (ISLANDS,) + x.shape)
@@ -76,10 +77,10 @@ def _sync(compression, data: int, fsdp: bool, stripes=None):
   sync = jax.jit(island_sync_lib.make_island_sync(
       mesh, compression, fsdp=fsdp, stripes=stripes))
   with jax.set_mesh(mesh):
-    codec_state = state.codec_state
+    codec_state = state.outer.codec_state
     for round_index in range(2):
       mean, residuals, codec_state, included, _ = sync(
-          state.global_params, state.island_params, state.residuals,
+          state.global_params, state.island_params, state.outer.residuals,
           codec_state, weights, round_index)
   assert bool(np.all(included))
   return jax.device_get((mean, residuals, codec_state))

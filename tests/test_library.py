@@ -19,6 +19,7 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import library as diloco
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
@@ -73,7 +74,7 @@ def _islands_after_a_round(seed=0):
   params = jax.tree.map(np.array, params)
   inner_opt = optax.adamw(1e-2, weight_decay=0.1)
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
-  state = state_lib.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
+  state = outer_settings.init_state(params, inner_opt, optax.sgd(1.0), ISLANDS)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   inner = inner_step_lib.make_inner_step(loss_fn, inner_opt, mesh)
   for batch in helpers.random_batches(3, ISLANDS, 4):
@@ -84,8 +85,8 @@ def _islands_after_a_round(seed=0):
 
 def _built_in(params, island_params, outer_tx, compression, weights):
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
-  state = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
-                               ISLANDS, compression=compression)
+  state = outer_settings.init_state(params, optax.adamw(1e-2), outer_tx,
+                                    ISLANDS, compression=compression)
   state = state.replace(island_params=island_params)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   step = outer_step_lib.make_outer_step(outer_tx, mesh, compression)
@@ -170,8 +171,8 @@ def test_the_one_step_delay_equals_the_built_in_one():
   outer_tx = diloco.nesterov(0.7, 0.9)
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
-  built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
-                                  ISLANDS, overlap="one_step_delay")
+  built_in = outer_settings.init_state(params, optax.adamw(1e-2), outer_tx,
+                                       ISLANDS, overlap="one_step_delay")
   built_in = jax.device_put(built_in,
                             state_lib.state_shardings(built_in, mesh))
   step = outer_step_lib.make_outer_step(outer_tx, mesh,
@@ -229,8 +230,10 @@ def test_eager_updates_equal_the_built_in_ones(own_weight):
   overlap = "eager" if own_weight is not None else "eager_share"
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
-  built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
-                                  ISLANDS, overlap=overlap)
+  built_in = outer_settings.init_state(params, optax.adamw(1e-2), outer_tx,
+                                       ISLANDS, overlap=overlap,
+                                       eager_own_weight=own_weight,
+                                       warmup_rounds=1)
   shardings = state_lib.state_shardings(built_in, mesh)
   built_in = jax.device_put(built_in, shardings)
   step = outer_step_lib.make_outer_step(outer_tx, mesh, overlap=overlap,
@@ -245,7 +248,7 @@ def test_eager_updates_equal_the_built_in_ones(own_weight):
     points, state, _ = diloco.eager_update(
         points, islands, state, outer_tx, weights=weights,
         own_weight=own_weight, wait=r < 1)
-    helpers.assert_trees_close(points, jax.device_get(built_in.anchors),
+    helpers.assert_trees_close(points, jax.device_get(built_in.outer.anchors),
                                rtol=1e-6, atol=1e-7)
   flushed = outer_step_lib.make_flush(outer_tx, mesh)(built_in)
   x, _ = diloco.eager_settle(points, state, outer_tx)
@@ -303,11 +306,12 @@ def test_streaming_sends_and_merges_equal_the_built_in_ones(codec_name):
   assert ("send", 1) in schedule[1] and ("merge", 1) in schedule[2]
 
   mesh = mesh_lib.build_mesh(ISLANDS, 1)
-  built_in = state_lib.init_state(params, optax.adamw(1e-2), outer_tx,
-                                  ISLANDS, error_feedback=True,
-                                  compression=compression)
-  built_in = built_in.replace(outer_opt_state=fragments.init_outer_states(
-      params, outer_tx, num_fragments))
+  built_in = outer_settings.init_state(params, optax.adamw(1e-2), outer_tx,
+                                       ISLANDS, error_feedback=True,
+                                       compression=compression)
+  built_in = built_in.replace(outer=built_in.outer.replace(
+      outer_opt_state=fragments.init_outer_states(params, outer_tx,
+                                                  num_fragments)))
   shardings = state_lib.state_shardings(built_in, mesh)
   built_in = jax.device_put(built_in, shardings)
   built_in_programs = {

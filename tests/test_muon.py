@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
@@ -129,7 +130,7 @@ def test_the_islands_inner_steps_are_optax_muon_on_the_blocks():
   params = jax.tree.map(np.array, params)
   opt = optimizers.inner_optimizer(inner, total_steps)
   mesh = mesh_lib.build_mesh(islands)
-  state = state_lib.init_state(params, opt, optax.sgd(1.0), islands)
+  state = outer_settings.init_state(params, opt, optax.sgd(1.0), islands)
   state = jax.device_put(state, state_lib.state_shardings(state, mesh))
   step = inner_step_lib.make_inner_step(loss_fn, opt, mesh)
   batches = helpers.random_batches(3, islands, 2)

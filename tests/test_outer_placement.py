@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import fragments
 from diloco_jax.algorithm import library
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import outer_views
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
@@ -50,8 +50,9 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, devices=compute)
-  host_state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                                    error_feedback, compression, overlap=overlap)
+  host_state = outer_settings.init_state(
+      params, inner_opt, outer_opt, islands, error_feedback, compression,
+      overlap=overlap, eager_own_weight=own_weight, warmup_rounds=warmup)
   host_state = jax.tree.map(np.array, jax.device_get(host_state))
   shardings = state_lib.state_shardings(host_state, mesh)
   on_device = jax.device_put(host_state, shardings)
@@ -60,9 +61,9 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
                                          eager_own_weight=own_weight,
                                          warmup_rounds=warmup)
   host = host_outer.build(outer_devices, islands, mesh,
-                          outer_views.from_settings(
+                          outer_settings.outer_of(
                               outer_opt, compression, overlap, own_weight,
-                              warmup), inner_opt)
+                              warmup, error_feedback), inner_opt)
   precompiled = codec == "int8"  # as runs do; fp32 compiles at first use
   if precompiled:
     host.compile_in_background(placement.with_shardings(
@@ -109,8 +110,8 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   params, inner_opt, outer_opt, state = test_streaming._state(  # pylint: disable=protected-access
       islands, compression, True, num_layers=4)
   state = jax.tree.map(np.array, jax.device_get(state.replace(
-      outer_opt_state=fragments.init_outer_states(params, outer_opt,
-                                                  num_fragments))))
+      outer=state.outer.replace(outer_opt_state=fragments.init_outer_states(
+          params, outer_opt, num_fragments)))))
   mesh = mesh_lib.build_mesh(islands, devices=compute)
   shardings = state_lib.state_shardings(state, mesh)
   on_device = jax.device_put(state, shardings)
@@ -241,7 +242,7 @@ def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path,
                           compute, outer_devices)
   setup.islands_side(start_lib.first_start(setup, None).state)
   outer = setup.host_outer.outer_state
-  held = [outer.global_params, outer.outer_opt_state]
+  held = [outer.global_params, outer.outer.outer_opt_state]
   assert {d for leaf in jax.tree.leaves(held)
           for d in leaf.sharding.device_set} == set(outer_devices)
   whole = sum(leaf.nbytes for leaf in jax.tree.leaves(held))

@@ -20,8 +20,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_settings
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
@@ -64,8 +65,10 @@ def _delayed_setup(islands, data=1, fsdp=False, compression=None,
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
   mesh = mesh_lib.build_mesh(islands, data)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                               error_feedback, compression, overlap=overlap)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands,
+                                    error_feedback, compression,
+                                    overlap=overlap,
+                                    eager_own_weight=eager_own_weight)
   shardings = state_lib.state_shardings(state, mesh, fsdp)
   state = jax.device_put(state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression, fsdp=fsdp,
@@ -116,13 +119,14 @@ def test_x_follows_the_hand_written_delayed_schedule(islands, data, fsdp):
                               is_leaf=lambda t: isinstance(t, tuple))
     in_flight = mean
     helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
-    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(state.outer.in_flight, mean, rtol=1e-5,
+                               atol=1e-7)
     # Round r + 1 starts from s_{r+1} = x_r on every island.
     helpers.assert_trees_close(
         state.island_params,
         jax.tree.map(lambda s: np.broadcast_to(s, (islands,) + s.shape),
                      jax.device_get(state.global_params)), rtol=0, atol=0)
-    assert bool(state.in_flight_valid)
+    assert bool(state.outer.in_flight_valid)
     if r == 0:  # s_1 = x_0: the first round applies nothing
       helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
   state = flush(state)
@@ -130,9 +134,9 @@ def test_x_follows_the_hand_written_delayed_schedule(islands, data, fsdp):
                       in_flight), None
   x = jax.tree.map(lambda p: p[0], x, is_leaf=lambda t: isinstance(t, tuple))
   helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
-  assert not bool(state.in_flight_valid)
+  assert not bool(state.outer.in_flight_valid)
   helpers.assert_trees_close(
-      state.in_flight, jax.tree.map(np.zeros_like, x), rtol=0, atol=0)
+      state.outer.in_flight, jax.tree.map(np.zeros_like, x), rtol=0, atol=0)
 
 
 def _nesterov_tree(x, momentum, update):
@@ -188,11 +192,12 @@ def test_rebasing_keeps_each_islands_progress_by_hand(islands, data, fsdp):
             included.reshape((-1,) + (1,) * x_.ndim), x_[None] - d,
             np.broadcast_to(x_, d.shape)), x, deltas)
     helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
-    helpers.assert_trees_close(state.in_flight, mean, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(state.outer.in_flight, mean, rtol=1e-5,
+                               atol=1e-7)
     helpers.assert_trees_close(state.island_params, anchors, rtol=1e-5,
                                atol=1e-6)
     jax.tree.map(np.testing.assert_array_equal,
-                 jax.device_get(state.anchors),
+                 jax.device_get(state.outer.anchors),
                  jax.device_get(state.island_params))
     if r == 0:  # s_1 = x_0: nothing lands in round 0, nothing is lost
       helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
@@ -202,28 +207,29 @@ def test_rebasing_keeps_each_islands_progress_by_hand(islands, data, fsdp):
   helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-6)
   stacked = jax.tree.map(lambda v: np.broadcast_to(v, (islands,) + v.shape),
                          jax.device_get(state.global_params))
-  for tree in (state.island_params, state.anchors):
+  for tree in (state.island_params, state.outer.anchors):
     helpers.assert_trees_close(tree, stacked, rtol=0, atol=0)
-  assert not bool(state.in_flight_valid)
+  assert not bool(state.outer.in_flight_valid)
 
 
 def test_resizing_keeps_the_anchors_of_the_islands_that_stay():
   params, _ = helpers.tiny_problem()
   inner_opt = optax.adam(1e-2)
-  state = state_lib.init_state(params, inner_opt, optax.sgd(LR), 3,
-                               overlap="one_step_delay_rebase")
-  moved = jax.tree.map(lambda a: a - 0.5, state.anchors)
-  state = state.replace(anchors=moved, island_params=moved)
+  state = outer_settings.init_state(params, inner_opt, optax.sgd(LR), 3,
+                                    overlap="one_step_delay_rebase")
+  moved = jax.tree.map(lambda a: a - 0.5, state.outer.anchors)
+  state = state.replace(island_params=moved,
+                        outer=state.outer.replace(anchors=moved))
   fewer = state_lib.resize_islands(state, 2, inner_opt)
   helpers.assert_trees_close(
-      fewer.anchors, jax.tree.map(lambda a: a[:2], moved), rtol=0, atol=0)
+      fewer.outer.anchors, jax.tree.map(lambda a: a[:2], moved), rtol=0, atol=0)
   more = state_lib.resize_islands(state, 5, inner_opt)
   helpers.assert_trees_close(
-      more.anchors, jax.tree.map(
+      more.outer.anchors, jax.tree.map(
           lambda a, x: jnp.concatenate([a, jnp.stack([x, x])]), moved,
           params), rtol=0, atol=0)
   # A new island's anchor is where it starts: its progress is zero.
-  helpers.assert_trees_close(more.anchors, more.island_params, rtol=0,
+  helpers.assert_trees_close(more.outer.anchors, more.island_params, rtol=0,
                              atol=0)
 
 
@@ -245,8 +251,8 @@ def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
       islands, compression=compression, error_feedback=error_feedback)
   # The undelayed step with outer SGD lr 1 applies x - D: D is its mean.
   plain_opt = optax.sgd(1.0)
-  plain = state_lib.init_state(params, optax.adam(1e-2), plain_opt, islands,
-                               error_feedback, compression)
+  plain = outer_settings.init_state(params, optax.adam(1e-2), plain_opt,
+                                    islands, error_feedback, compression)
   plain_shardings = state_lib.state_shardings(plain, mesh)
   plain = jax.device_put(plain, plain_shardings)
   plain_outer = outer_step_lib.make_outer_step(plain_opt, mesh, compression)
@@ -262,11 +268,12 @@ def test_every_codec_sends_the_same_mean_delayed_or_not(codec,
     plain = plain_outer(plain, weights)
     sent = jax.tree.map(jnp.subtract, start,
                         jax.device_get(plain.global_params))
-    helpers.assert_trees_close(delayed.in_flight, sent, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(delayed.outer.in_flight, sent, rtol=1e-5,
+                               atol=1e-7)
     for name in ("residuals", "codec_state"):
       jax.tree.map(np.testing.assert_array_equal,
-                   jax.device_get(getattr(delayed, name)),
-                   jax.device_get(getattr(plain, name)))
+                   jax.device_get(getattr(delayed.outer, name)),
+                   jax.device_get(getattr(plain.outer, name)))
 
 
 def test_a_round_without_islands_sends_nothing_to_apply_next_round():
@@ -275,16 +282,16 @@ def test_a_round_without_islands_sends_nothing_to_apply_next_round():
   state = _set_islands(state, _islands_moved(
       params, _random_deltas(jax.random.key(0), params, islands)), shardings)
   state = outer(state, _weights([0.0, 0.0], mesh))  # nobody synced round 0
-  assert not bool(state.in_flight_valid)
+  assert not bool(state.outer.in_flight_valid)
   deltas = _random_deltas(jax.random.key(1), params, islands)
   state = _set_islands(state, _islands_moved(params, deltas), shardings)
-  outer_before = jax.device_get(state.outer_opt_state)
+  outer_before = jax.device_get(state.outer.outer_opt_state)
   state = outer(state, _weights([1.0, 1.0], mesh))
   # Round 1 applies round 0's (empty) mean: x and the momentum stay.
   helpers.assert_trees_close(state.global_params, params, rtol=0, atol=0)
   jax.tree.map(np.testing.assert_array_equal,
-               jax.device_get(state.outer_opt_state), outer_before)
-  assert bool(state.in_flight_valid)
+               jax.device_get(state.outer.outer_opt_state), outer_before)
+  assert bool(state.outer.in_flight_valid)
   state = flush(state)  # round 1's mean does land
   # x's first Nesterov step, on round 1's mean alone (the islands started
   # round 1 from x_0, and the momentum is still zero).
@@ -302,7 +309,7 @@ def test_a_diverged_island_is_left_out_of_the_mean_in_flight():
   moved = jax.tree.map(lambda y: y.at[1].set(jnp.nan), moved)
   state = outer(_set_islands(state, moved, shardings),
                 _weights([1.0, 1.0], mesh))
-  helpers.assert_trees_close(state.in_flight,
+  helpers.assert_trees_close(state.outer.in_flight,
                              jax.tree.map(lambda d: d[0], deltas),
                              rtol=1e-5, atol=1e-7)
   assert all(np.isfinite(leaf).all()
@@ -348,7 +355,7 @@ def test_resume_with_an_update_in_flight_is_exact(tmp_path):
   summary = train.train_and_evaluate(_config(), whole)
   assert summary["overlap"] == "one_step_delay"
   saved = test_checkpoint._final_state(whole)  # pylint: disable=protected-access
-  assert not saved["in_flight_valid"]  # the last mean was applied
+  assert not saved["outer"]["in_flight_valid"]  # the last mean was applied
   test_checkpoint.forget_after(whole, resumed, 8)
   train.train_and_evaluate(_config(), resumed)
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access

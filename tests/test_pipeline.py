@@ -168,7 +168,7 @@ def _per_device_state_bytes(stages: int) -> int:
   placed = placement.with_shardings(
       abstract, state_lib.state_shardings(abstract, mesh))
   return stages_lib.bytes_per_device(
-      [placed.global_params, placed.outer_opt_state, placed.island_params,
+      [placed.global_params, placed.outer.outer_opt_state, placed.island_params,
        placed.inner_opt_state])
 
 
@@ -372,10 +372,13 @@ def test_a_checkpoint_reads_back_exactly_at_another_stage_count(runs):
   checkpointer.close()
   round_trip = setup.whole(setup.islands_side(start.state))
   saved = test_checkpoint._final_state(whole)
-  for name, value in saved.items():
+  fields = [(name, getattr(round_trip, name), value)
+            for name, value in saved.items() if name != "outer"]
+  fields += [(f"outer.{name}", getattr(round_trip.outer, name), value)
+             for name, value in saved["outer"].items()]
+  for name, tree, value in fields:
     # The checkpoint reads back as dicts: compare leaf by leaf, in order.
-    ours, theirs = jax.tree.leaves(getattr(round_trip, name)), jax.tree.leaves(
-        value)
+    ours, theirs = jax.tree.leaves(tree), jax.tree.leaves(value)
     assert len(ours) == len(theirs), name
     for a, b in zip(ours, theirs):
       np.testing.assert_array_equal(np.asarray(a), b, err_msg=name)
@@ -401,7 +404,7 @@ def _factored_steps(workdir, config):
         layout.split_params(moved)) if m.ndim >= 3]
   bases = [np.asarray(entry["basis"]).reshape(
       (len(steps[0]),) + entry["basis"].shape[-2:])
-           for entry in saved["codec_state"]]
+           for entry in saved["outer"]["codec_state"]]
   assert len(steps) == len(bases)
   return saved, steps, bases
 
@@ -437,8 +440,8 @@ def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
       other = outside(basis[1 - stage])
       assert other > 0.1, ("the other stage's basis holds it", other)
   assert all(np.size(entry["rank_index"]) == stages
-             for entry in state["codec_state"])
-  residuals = jax.tree.leaves(state["residuals"])
+             for entry in state["outer"]["codec_state"])
+  residuals = jax.tree.leaves(state["outer"]["residuals"])
   assert ([r.shape for r in residuals]
           == [y.shape for y in jax.tree.leaves(state["island_params"])])
   # Error feedback keeps what a rank-2..8 factoring left out of each

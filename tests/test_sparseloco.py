@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
@@ -69,8 +70,8 @@ def test_two_rounds_follow_the_numpy_rule(islands, bits):
   compression = _compression(bits)
   outer_opt = optax.sgd(ALPHA)
   mesh = mesh_lib.build_mesh(islands)
-  state = state_lib.init_state(params, optax.adam(1e-2), outer_opt, islands,
-                               True, compression)
+  state = outer_settings.init_state(params, optax.adam(1e-2), outer_opt,
+                                    islands, True, compression)
   shardings = state_lib.state_shardings(state, mesh)
   state = jax.device_put(state, shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression)
@@ -95,7 +96,7 @@ def test_two_rounds_follow_the_numpy_rule(islands, bits):
         *sent)
     x = jax.tree.map(lambda v, g: v - np.float32(ALPHA) * g, x, mean)
     helpers.assert_trees_close(state.global_params, x, rtol=1e-5, atol=1e-7)
-    helpers.assert_trees_close(state.residuals, jax.tree.map(
+    helpers.assert_trees_close(state.outer.residuals, jax.tree.map(
         lambda *v: np.stack(v), *residuals), rtol=1e-5, atol=1e-7)
 
 

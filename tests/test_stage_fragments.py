@@ -83,8 +83,9 @@ def _logical_state(setup, seed=0):
       lambda a: a + scale * jax.random.normal(next(keys), a.shape, a.dtype),
       tree)
   state = state.replace(island_params=nudge(state.island_params, 0.02))
-  if state.residuals is not None:
-    state = state.replace(residuals=nudge(state.residuals, 0.01))
+  if state.outer.residuals is not None:
+    state = state.replace(outer=state.outer.replace(
+        residuals=nudge(state.outer.residuals, 0.01)))
   return state
 
 
@@ -147,35 +148,38 @@ def test_a_stage_s_send_and_merge_are_the_unpipelined_ones_on_its_share(
     expected = reference_send(
         fragments_lib.FragmentParts(
             _share(logical.global_params, spec.layout, stage),
-            logical.outer_opt_state[stage],
-            _share(logical.residuals, spec.layout, stage, per_island=True),
-            jax.tree.map(lambda a: a[stage], logical.codec_state)),
+            logical.outer.outer_opt_state[stage],
+            _share(logical.outer.residuals, spec.layout, stage,
+                   per_island=True),
+            jax.tree.map(lambda a: a[stage], logical.outer.codec_state)),
         _share(logical.island_params, spec.layout, stage, per_island=True),
         weights, fragments_lib.send_index(logical.step, stages, stage))
     helpers.assert_trees_close(
         (_share(sent.global_params, spec.layout, stage),
-         sent.outer_opt_state[stage],
-         _share(sent.residuals, spec.layout, stage, per_island=True),
-         jax.tree.map(lambda a: a[stage], sent.codec_state)),
+         sent.outer.outer_opt_state[stage],
+         _share(sent.outer.residuals, spec.layout, stage, per_island=True),
+         jax.tree.map(lambda a: a[stage], sent.outer.codec_state)),
         tuple(expected), rtol=1e-5, atol=1e-6)
     # The other stage's x, outer state, residuals and codec state are as
     # they were, bit for bit.
     other = 1 - stage
     for field, per_island in (("global_params", False), ("residuals", True)):
+      part = lambda state, field=field: (
+          state.global_params if field == "global_params"
+          else getattr(state.outer, field))
       jax.tree.map(np.testing.assert_array_equal,
-                   _share(getattr(sent, field), spec.layout, other,
-                          per_island),
-                   _share(getattr(logical, field), spec.layout, other,
-                          per_island))
-    jax.tree.map(np.testing.assert_array_equal, sent.outer_opt_state[other],
-                 logical.outer_opt_state[other])
+                   _share(part(sent), spec.layout, other, per_island),
+                   _share(part(logical), spec.layout, other, per_island))
+    jax.tree.map(np.testing.assert_array_equal,
+                 sent.outer.outer_opt_state[other],
+                 logical.outer.outer_opt_state[other])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[other],
                                                             b[other]),
-                 sent.codec_state, logical.codec_state)
+                 sent.outer.codec_state, logical.outer.codec_state)
     if spec.compression.is_lowrank:  # the stage's bases moved
       assert not np.array_equal(
-          jax.tree.leaves(sent.codec_state)[0][stage],
-          jax.tree.leaves(logical.codec_state)[0][stage])
+          jax.tree.leaves(sent.outer.codec_state)[0][stage],
+          jax.tree.leaves(logical.outer.codec_state)[0][stage])
     # The merge: the stage's share of every island becomes
     # alpha * y + (1 - alpha) * x; the other stage's stays.
     merged = to_logical(merges[stage](state))

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments
+from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import schedule
 from diloco_jax.algorithm import state as state_lib
@@ -94,8 +95,8 @@ def _state(islands, compression=None, error_feedback=False, num_fragments=1,
       _model_config(num_layers), 0))
   inner_opt = optax.adam(1e-2)
   outer_opt = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  state = state_lib.init_state(params, inner_opt, outer_opt, islands,
-                               error_feedback, compression)
+  state = outer_settings.init_state(params, inner_opt, outer_opt, islands,
+                                    error_feedback, compression)
   return params, inner_opt, outer_opt, state
 
 
@@ -135,8 +136,8 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
                                                error_feedback)
   plain = jax.tree.map(np.array, jax.device_get(plain))  # own buffers each
   mesh = mesh_lib.build_mesh(islands)
-  streaming = plain.replace(outer_opt_state=fragments.init_outer_states(
-      params, outer_opt, 1))
+  streaming = plain.replace(outer=plain.outer.replace(
+      outer_opt_state=fragments.init_outer_states(params, outer_opt, 1)))
   plain_shardings = state_lib.state_shardings(plain, mesh)
   streaming_shardings = state_lib.state_shardings(streaming, mesh)
   plain = jax.device_put(plain, plain_shardings)
@@ -155,7 +156,8 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
                            weights))
     for name in ("global_params", "island_params", "residuals",
                  "codec_state", "outer_opt_state", "inner_opt_state"):
-      a, b = (jax.tree.leaves(jax.device_get(getattr(s, name)))
+      a, b = (jax.tree.leaves(jax.device_get(
+          getattr(s.outer if hasattr(s.outer, name) else s, name)))
               for s in (plain, streaming))
       assert len(a) == len(b), name
       # The same arithmetic in two programs: XLA may fuse (and round) the
@@ -171,8 +173,9 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
   islands, num_fragments, alpha = 2, 2, 0.25
   params, inner_opt, outer_opt, state = _state(
       islands, _compression("int8"), error_feedback=True, num_layers=4)
-  state = state.replace(outer_opt_state=fragments.init_outer_states(
-      params, outer_opt, num_fragments))
+  state = state.replace(outer=state.outer.replace(
+      outer_opt_state=fragments.init_outer_states(params, outer_opt,
+                                                  num_fragments)))
   mesh = mesh_lib.build_mesh(islands)
   shardings = state_lib.state_shardings(state, mesh)
   state = moved_islands(jax.device_put(state, shardings), jax.random.key(0),
@@ -189,10 +192,10 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
       jax.tree.leaves(a), jax.tree.leaves(b))]
   in_fragment = [f == 1 for f in assignment]
   assert changed(sent.global_params, before.global_params) == in_fragment
-  assert changed(sent.residuals, before.residuals) == in_fragment
+  assert changed(sent.outer.residuals, before.outer.residuals) == in_fragment
   assert not any(changed(sent.island_params, before.island_params))
-  np.testing.assert_equal(jax.device_get(sent.outer_opt_state[0]),
-                          before.outer_opt_state[0])
+  np.testing.assert_equal(jax.device_get(sent.outer.outer_opt_state[0]),
+                          before.outer.outer_opt_state[0])
   merged = jax.device_get(merge(jax.device_put(sent, shardings)))
   for x, y, new_y, f in zip(jax.tree.leaves(sent.global_params),
                             jax.tree.leaves(sent.island_params),

@@ -142,7 +142,7 @@ def test_every_island_and_x_start_from_the_pretrained_model(runs):
   assert int(state.step) == PRETRAIN and start.inner_state_carried
   # The outer optimizer starts fresh: no momentum from before.
   assert all(not np.any(leaf) for leaf in
-             jax.tree.leaves(state.outer_opt_state)
+             jax.tree.leaves(state.outer.outer_opt_state)
              if np.asarray(leaf).dtype == np.float32)
 
 

@@ -123,13 +123,14 @@ def fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
                    positions: Sequence[int], fragment: int) -> FragmentParts:
   """`fragment`'s parts of `state` (a TrainState of arrays, abstract arrays
   or shardings); `positions` from codec_positions."""
-  codec_state = (None if state.codec_state is None
-                 else tuple(state.codec_state[i] for i in positions))
+  outer = state.outer
+  codec_state = (None if outer.codec_state is None
+                 else tuple(outer.codec_state[i] for i in positions))
   return FragmentParts(
       select(state.global_params, assignment, fragment),
-      state.outer_opt_state[fragment],
-      (None if state.residuals is None
-       else select(state.residuals, assignment, fragment)),
+      outer.outer_opt_state[fragment],
+      (None if outer.residuals is None
+       else select(outer.residuals, assignment, fragment)),
       codec_state)
 
 
@@ -137,9 +138,10 @@ def with_fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
                         positions: Sequence[int], fragment: int,
                         parts: FragmentParts) -> state_lib.TrainState:
   """`state` with `fragment`'s parts replaced by `parts`."""
-  outer_states = list(state.outer_opt_state)
+  outer = state.outer
+  outer_states = list(outer.outer_opt_state)
   outer_states[fragment] = parts.outer_opt_state
-  codec_state = state.codec_state
+  codec_state = outer.codec_state
   if codec_state is not None:
     codec_state = list(codec_state)
     for i, entry in zip(positions, parts.codec_state):
@@ -148,10 +150,11 @@ def with_fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
   return state.replace(
       global_params=replace(state.global_params, assignment, fragment,
                             parts.x),
-      outer_opt_state=tuple(outer_states),
-      residuals=(None if state.residuals is None else replace(
-          state.residuals, assignment, fragment, parts.residuals)),
-      codec_state=codec_state)
+      outer=outer.replace(
+          outer_opt_state=tuple(outer_states),
+          residuals=(None if outer.residuals is None else replace(
+              outer.residuals, assignment, fragment, parts.residuals)),
+          codec_state=codec_state))
 
 
 def make_send_parts(outer_opt: optax.GradientTransformation, sync):

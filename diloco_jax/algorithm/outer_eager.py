@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from diloco_jax.algorithm import island_trees
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import outer_state
-from diloco_jax.algorithm import state as state_lib
 
 
 def start(outer_tx: optax.GradientTransformation,
@@ -54,8 +54,8 @@ def settle(outer_tx: optax.GradientTransformation,
       form.one(state.own_shares), state.in_flight, state.in_flight_valid,
       form.stages)
   if form.stacked:
-    x = state_lib.islands_average(points)
-    average_state = state_lib.islands_average(outer_states)
+    x = island_trees.islands_average(points)
+    average_state = island_trees.islands_average(outer_states)
   else:
     average = lambda tree: jax.tree.map(
         lambda a: outer_state.mean_over(a[0], form.axis_name), tree)

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import island_trees
 from diloco_jax.algorithm import outer_overlaps
-from diloco_jax.algorithm import state as state_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Form(NamedTuple):
     """Every island starts from `tree`: [k, ...] copies, or itself."""
     if not self.stacked:
       return tree
-    return state_lib.stack_islands(tree, self.num_islands)
+    return island_trees.stack_islands(tree, self.num_islands)
 
 
 def form_of(state: OuterState, axis_name, stages: int = 1) -> Form:

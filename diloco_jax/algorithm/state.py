@@ -27,9 +27,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import optimizers
-from diloco_jax.algorithm import overlap as overlap_lib
+from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_state
+# The islands' tree helpers, used with the state everywhere.
+from diloco_jax.algorithm.island_trees import (  # pylint: disable=unused-import
+    init_codec_state, islands_average, stack_islands, zeros_per_island)
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
 from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
@@ -42,53 +45,24 @@ class TrainState(flax.struct.PyTreeNode):
 
   Attributes:
     step: inner steps taken by every island so far.
-    round: outer steps taken so far.
     global_params: x, the outer parameters (the same for every island).
-    outer_opt_state: the outer optimizer's state (likewise).
     island_params: y, stacked [islands, ...], split over 'island'.
     inner_opt_state: the inner optimizers' states, stacked the same way.
-    residuals: error feedback: per island, the part of its pseudo-gradients
-      the codec has not sent yet (stacked like island_params), or None.
-    codec_state: what the codec carries across rounds (replicated; the
-      low-rank codecs' warm-start bases and ranks), or None.
-    in_flight: one-step-delay overlap: the mean pseudo-gradient of the last
-      round, sent but not yet applied (float32, shaped like x), or None.
-    in_flight_valid: whether `in_flight` holds an update to apply (a bool;
-      False before the first round ends, after the final one is applied,
-      or when no island took part in that round), or None.
-    anchors: overlap 'one_step_delay_rebase': per island, the params its
-      current round started from, a_i (its progress is y_i - a_i), stacked
-      like island_params; overlap 'eager': per island, its own outer point
-      x_m (where its round started); or None.
-    island_outer_opt_state: overlap 'eager': per island, the outer
-      optimizer state of its own x_m (stacked like island_params), or None.
-    own_shares: overlap 'eager': per island, its share w_m d_m / sum_j w_j
-      of the mean in flight (float32, stacked like island_params), which
-      the mean replaces when it lands; or None.
+    outer: the outer object's state (outer_state.OuterState, stacked
+      form): its outer optimizer state, codec state, residuals, the mean
+      in flight, the islands' own points, the rounds taken, and (static)
+      the codec, overlap and error feedback that made it.
   """
   step: jax.Array
-  round: jax.Array
   global_params: Any
-  outer_opt_state: Any
   island_params: Any
   inner_opt_state: Any
-  residuals: Any = None
-  codec_state: Any = None
-  in_flight: Any = None
-  in_flight_valid: Any = None
-  anchors: Any = None
-  island_outer_opt_state: Any = None
-  own_shares: Any = None
+  outer: outer_state.OuterState
 
-
-def stack_islands(tree, n: int):
-  """`tree` broadcast to `n` islands: [n, ...] per leaf."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
-
-
-def _zeros_per_island(params, num_islands: int):
-  return jax.tree.map(
-      lambda x: jnp.zeros((num_islands,) + x.shape, jnp.float32), params)
+  @property
+  def round(self) -> jax.Array:
+    """Outer steps taken so far."""
+    return self.outer.round
 
 
 def num_islands(state: TrainState) -> int:
@@ -96,54 +70,65 @@ def num_islands(state: TrainState) -> int:
   return jax.tree.leaves(state.island_params)[0].shape[0]
 
 
-def init_state(params, inner_opt: optax.GradientTransformation,
-               outer_opt: optax.GradientTransformation,
-               num_islands: int, error_feedback: bool = False,
-               compression=None, seed: int = 0,
-               overlap: str = "none",
+def init_state(params, inner_opt: optax.GradientTransformation, outer,
+               num_islands: int, *, seed: int = 0,
                layout: stages_lib.StageLayout | None = None) -> TrainState:
   """Every island starts from the same params with a fresh inner state.
 
-  With `error_feedback` the state holds zero residuals; with a `compression`
-  (as outer_step.make_outer_step takes it) that keeps state, its initial
-  codec state (seeded by `seed`; per stage of `layout`, when given); with a
-  delayed `overlap`, an empty slot for the update in flight; with
-  'one_step_delay_rebase' or 'eager' every island's anchor at `params`, and
-  with 'eager' each island's own outer state and an empty share. The state
-  is logical (`stage_state` stages it).
+  Args:
+    params: x.
+    inner_opt: the islands' optimizer.
+    outer: the outer object (outer.DiLoCo); its `init` makes the outer
+      state, the codec's seeded by `seed` (one per stage of `layout`,
+      when given).
+    num_islands: k.
+
+  The state is logical (`stage_state` stages it).
   """
   island_params = stack_islands(params, num_islands)
-  delayed = overlap_lib.is_delayed(overlap)
-  eager = overlap_lib.is_eager(overlap)
+  outer_state_ = outer.init(params, num_islands, seed=seed)
+  if layout is not None:
+    outer_state_ = outer_state_.replace(codec_state=init_codec_state(
+        params, outer.codec, seed, layout))
   return TrainState(
-      anchors=island_params if overlap_lib.anchored(overlap) else None,
-      island_outer_opt_state=(jax.vmap(outer_opt.init)(island_params)
-                              if eager else None),
-      own_shares=_zeros_per_island(params, num_islands) if eager else None,
-      in_flight=(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                              params) if delayed else None),
-      in_flight_valid=jnp.zeros((), jnp.bool_) if delayed else None,
-      codec_state=init_codec_state(params, compression, seed, layout),
-      residuals=(_zeros_per_island(params, num_islands) if error_feedback
-                 else None),
       step=jnp.zeros((), jnp.int32),
-      round=jnp.zeros((), jnp.int32),
       global_params=params,
-      outer_opt_state=outer_opt.init(params),
       island_params=island_params,
       inner_opt_state=jax.vmap(inner_opt.init)(island_params),
-  )
+      outer=outer_state_)
 
 
-def init_codec_state(params, compression, seed: int,
-                     layout: stages_lib.StageLayout | None = None):
-  """The codec's initial state for logical `params`: one per stage of
-  `layout` (stacked [S, ...]), or one for the whole tree."""
-  compression = compression_lib.as_compression(compression)
-  if layout is None:
-    return compression_lib.init_codec_state(params, compression, seed)
-  return jax.vmap(lambda piece: compression_lib.init_codec_state(
-      piece, compression, seed))(layout.split_params(params))
+def eager(state: TrainState) -> bool:
+  """Whether `state` was made for eager updates (its outer optimizer
+  state is each island's)."""
+  return isinstance(state.outer.recipe.overlap, outer_overlaps.Eager)
+
+
+# The outer state's params-shaped fields: per island, or one for x.
+_OUTER_PER_ISLAND = ("residuals", "anchors", "own_shares")
+_OUTER_SHARED = ("in_flight",)
+
+
+def _params_shaped(state: TrainState) -> dict:
+  """{name: (per_island, tree)} of every params-shaped part of `state`
+  (outer parts named 'outer.<field>'), None parts left out."""
+  outer = state.outer
+  parts = {"global_params": (False, state.global_params),
+           "island_params": (True, state.island_params),
+           "inner_opt_state": (True, state.inner_opt_state),
+           "outer.outer_opt_state": (eager(state), outer.outer_opt_state)}
+  for name in _OUTER_PER_ISLAND + _OUTER_SHARED:
+    parts["outer." + name] = (name in _OUTER_PER_ISLAND, getattr(outer, name))
+  return {name: part for name, part in parts.items() if part[1] is not None}
+
+
+def _with_parts(state: TrainState, parts: dict) -> TrainState:
+  """`state` with the parts named as `_params_shaped` names them."""
+  outer = {name[len("outer."):]: tree for name, tree in parts.items()
+           if name.startswith("outer.")}
+  top = {name: tree for name, tree in parts.items()
+         if not name.startswith("outer.")}
+  return state.replace(outer=state.outer.replace(**outer), **top)
 
 
 def state_partition_specs(state: TrainState, data_size: int = 1,
@@ -169,20 +154,17 @@ def state_partition_specs(state: TrainState, data_size: int = 1,
   per_island = lambda tree: jax.tree.map(
       lambda x: P(ISLAND, *rule(tuple(x.shape[1:]))), tree)
   per_stage = P(STAGE) if stages > 1 else P()
-  return TrainState(
-      step=P(), round=P(),
-      global_params=shared(state.global_params),
-      outer_opt_state=shared(state.outer_opt_state),
-      island_params=per_island(state.island_params),
-      inner_opt_state=per_island(state.inner_opt_state),
-      residuals=per_island(state.residuals),
-      codec_state=jax.tree.map(lambda _: per_stage, state.codec_state),
-      in_flight=shared(state.in_flight),
-      in_flight_valid=jax.tree.map(lambda _: P(), state.in_flight_valid),
-      anchors=per_island(state.anchors),
-      island_outer_opt_state=per_island(state.island_outer_opt_state),
-      own_shares=per_island(state.own_shares),
-  )
+  replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+  outer = state.outer
+  specs = state.replace(
+      step=P(),
+      outer=outer.replace(
+          round=P(), included=P(ISLAND),
+          in_flight_valid=replicated(outer.in_flight_valid),
+          codec_state=jax.tree.map(lambda _: per_stage, outer.codec_state)))
+  return _with_parts(specs, {
+      name: (per_island if island_axis else shared)(tree)
+      for name, (island_axis, tree) in _params_shaped(state).items()})
 
 
 def state_shardings(state: TrainState, mesh, fsdp: bool = False,
@@ -202,21 +184,16 @@ def constrain_state(state: TrainState, mesh, fsdp: bool = False
   return placement.constrain(state, state_shardings(state, mesh, fsdp))
 
 
-_SHARED_PARAMS = ("global_params", "outer_opt_state", "in_flight")
-_PER_ISLAND_PARAMS = ("island_params", "inner_opt_state", "residuals",
-                      "anchors", "island_outer_opt_state", "own_shares")
-
-
-def stage_state(state: TrainState, layout: stages_lib.StageLayout
-                ) -> TrainState:
+def stage_state(state: TrainState, layout: stages_lib.StageLayout,
+                skip: tuple[str, ...] = ()) -> TrainState:
   """The staged state the compiled steps take, from a logical one
-  (traceable)."""
-  fields = {name: layout.split(getattr(state, name))
-            for name in _SHARED_PARAMS if getattr(state, name) is not None}
-  fields.update({name: _each_island(layout.split, getattr(state, name))
-                 for name in _PER_ISLAND_PARAMS
-                 if getattr(state, name) is not None})
-  return state.replace(**fields)
+  (traceable); the parts named in `skip` (as `_params_shaped` names them)
+  are left as they are."""
+  return _with_parts(state, {
+      name: _each_island(layout.split, tree) if island_axis
+      else layout.split(tree)
+      for name, (island_axis, tree) in _params_shaped(state).items()
+      if name not in skip})
 
 
 def _each_island(fn, tree):
@@ -227,20 +204,25 @@ def _each_island(fn, tree):
 
 
 def unstage_state(state: TrainState, layout: stages_lib.StageLayout,
-                  logical: TrainState) -> TrainState:
+                  logical: TrainState, skip: tuple[str, ...] = ()
+                  ) -> TrainState:
   """The logical state (as checkpoints hold it) from a staged one;
-  `logical`: the logical state's shapes (traceable)."""
-  fields = {name: layout.join(getattr(state, name), getattr(logical, name))
-            for name in _SHARED_PARAMS if getattr(state, name) is not None}
-  for name in _PER_ISLAND_PARAMS:
-    staged, shapes = getattr(state, name), getattr(logical, name)
-    if staged is not None:
-      # The logical shapes without their island axis.
-      one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:],
-                                                        a.dtype), shapes)
-      fields[name] = _each_island(lambda t, one=one: layout.join(t, one),
-                                  staged)
-  return state.replace(**fields)
+  `logical`: the logical state's shapes (traceable); `skip` as in
+  `stage_state`."""
+  shapes = _params_shaped(logical)
+  fields = {}
+  for name, (island_axis, staged) in _params_shaped(state).items():
+    if name in skip:
+      continue
+    if not island_axis:
+      fields[name] = layout.join(staged, shapes[name][1])
+      continue
+    # The logical shapes without their island axis.
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                       shapes[name][1])
+    fields[name] = _each_island(lambda t, one=one: layout.join(t, one),
+                                staged)
+  return _with_parts(state, fields)
 
 
 def restart_islands(finite, weights, restart_dropped: bool,
@@ -283,40 +265,35 @@ def resize_islands(state: TrainState, num_islands: int,
   share in flight) and a fresh inner optimizer state. Removed islands are
   dropped with whatever progress they made since the last outer step.
   """
-  old = jax.tree.leaves(state.island_params)[0].shape[0]
-  kept = min(old, num_islands)
+  kept = min(jax.tree.leaves(state.island_params)[0].shape[0], num_islands)
   added = num_islands - kept
   take = lambda tree: jax.tree.map(lambda y: y[:kept], tree)
-  params = take(state.island_params)
-  anchors = take(state.anchors)
-  opt_state = take(state.inner_opt_state)
-  residuals = take(state.residuals)
-  island_outer = take(state.island_outer_opt_state)
-  shares = take(state.own_shares)
+  outer = state.outer
+  per_island = {"island_params": state.island_params,
+                "inner_opt_state": state.inner_opt_state,
+                "outer.included": outer.included}
+  per_island.update({name: tree for name, (island_axis, tree)
+                     in _params_shaped(state).items() if island_axis})
+  parts = {name: take(tree) for name, tree in per_island.items()}
   if added:
     start = state.global_params
-    if island_outer is not None:  # eager: the kept islands' average
-      start, average_outer = eager_consensus(state.replace(
-          anchors=anchors, island_outer_opt_state=island_outer))
+    new = {"outer.included": jnp.ones((added,), bool)}
+    if eager(state):  # the kept islands' average point and outer state
+      start = islands_average(parts["outer.anchors"])
+      new["outer.outer_opt_state"] = stack_islands(
+          islands_average(parts["outer.outer_opt_state"]), added)
+      # nothing in flight yet
+      new["outer.own_shares"] = zeros_per_island(state.global_params, added)
     new_params = stack_islands(start, added)
-    new_opt_state = jax.vmap(inner_opt.init)(new_params)
+    new["island_params"] = new_params
+    new["inner_opt_state"] = jax.vmap(inner_opt.init)(new_params)
+    new["outer.anchors"] = new_params
+    # new islands have sent nothing yet
+    new["outer.residuals"] = zeros_per_island(state.global_params, added)
     join = lambda a, b: jnp.concatenate([a, b.astype(a.dtype)])
-    params = jax.tree.map(join, params, new_params)
-    opt_state = jax.tree.map(join, opt_state, new_opt_state)
-    if anchors is not None:
-      anchors = jax.tree.map(join, anchors, new_params)
-    if residuals is not None:  # new islands have sent nothing yet
-      residuals = jax.tree.map(
-          join, residuals, _zeros_per_island(state.global_params, added))
-    if island_outer is not None:  # nothing in flight yet
-      island_outer = jax.tree.map(
-          join, island_outer, stack_islands(average_outer, added))
-      shares = jax.tree.map(
-          join, shares, _zeros_per_island(state.global_params, added))
-  return state.replace(island_params=params, anchors=anchors,
-                       inner_opt_state=opt_state, residuals=residuals,
-                       island_outer_opt_state=island_outer,
-                       own_shares=shares)
+    parts = {name: (jax.tree.map(join, tree, new[name]) if name in new
+                    else tree) for name, tree in parts.items()}
+  return _with_parts(state, parts)
 
 
 def eager_consensus(state: TrainState):
@@ -325,17 +302,8 @@ def eager_consensus(state: TrainState):
   full-precision mean over the islands (an fp32 all-reduce of the params
   across the island link), so runs form it to evaluate, to start new
   islands and at the end, never in a round."""
-  return (islands_average(state.anchors),
-          islands_average(state.island_outer_opt_state))
-
-
-def islands_average(tree):
-  """The float32 mean over the leading islands axis of every floating
-  leaf (in its dtype); other leaves (step counts) from island 0."""
-  return jax.tree.map(
-      lambda v: (jnp.mean(v.astype(jnp.float32), axis=0).astype(v.dtype)
-                 if jnp.issubdtype(v.dtype, jnp.floating) else v[0]),
-      tree)
+  return (islands_average(state.outer.anchors),
+          islands_average(state.outer.outer_opt_state))
 
 
 def evaluation_params(state: TrainState, mode: str):
@@ -346,7 +314,7 @@ def evaluation_params(state: TrainState, mode: str):
   is their model. Call inside jit so XLA moves the slice where it is needed.
   """
   if mode == "diloco":
-    if state.own_shares is not None:
+    if eager(state):
       return eager_consensus(state)[0]
     return state.global_params
   return jax.tree.map(lambda y: y[0], state.island_params)

@@ -41,8 +41,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.run import files
 from diloco_jax.run import integrity
+from diloco_jax.run import legacy_state
 from diloco_jax.run import workdir as workdir_lib
 
 STATE = "state"
@@ -204,6 +206,13 @@ class Checkpointer:
     Raises:
       CorruptCheckpointError: an array differs from what was saved.
     """
+    if (isinstance(abstract_state, state_lib.TrainState)
+        and legacy_state.is_legacy(self._saved_fields(step))):
+      # Written before the state held the outer state as one field: read
+      # as it was written (its digests checked), then renamed.
+      return legacy_state.current(
+          self.restore_state(step, legacy_state.target(abstract_state),
+                             checksums), abstract_state)
     target, absent = self._saved_fields_only(step, abstract_state)
     state = self._manager.restore(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardRestore(target)}))[STATE]
@@ -224,11 +233,7 @@ class Checkpointer:
     after reading; (abstract_state, None) when there are none."""
     if not dataclasses.is_dataclass(abstract_state):
       return abstract_state, None
-    # The item's own tree metadata, read by its handler: a Checkpointer's
-    # metadata() would look for a step's _CHECKPOINT_METADATA inside the
-    # item and warn "Metadata file does not exist" on every resume.
-    saved = set(ocp.StandardCheckpointHandler().metadata(
-        epath.Path(self.directory) / str(step) / STATE).keys())
+    saved = self._saved_fields(step)
     fields = [f.name for f in dataclasses.fields(abstract_state)]
     absent = [name for name in fields if name not in saved
               and getattr(abstract_state, name) is None]
@@ -236,6 +241,14 @@ class Checkpointer:
       return abstract_state, None
     return ({name: getattr(abstract_state, name) for name in fields
              if name not in absent}, absent)
+
+  def _saved_fields(self, step: int) -> set[str]:
+    """The top-level fields of the state saved at `step`."""
+    # The item's own tree metadata, read by its handler: a Checkpointer's
+    # metadata() would look for a step's _CHECKPOINT_METADATA inside the
+    # item and warn "Metadata file does not exist" on every resume.
+    return set(ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / STATE).keys())
 
   def latest_readable(self, restore_fn, steps=None,
                       start_over_if_unreadable: bool = False,

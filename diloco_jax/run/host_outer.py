@@ -48,7 +48,6 @@ from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm import outer_views
 from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import mesh as mesh_lib
@@ -83,29 +82,26 @@ class RoundOuter(OuterSide):
     stages = mesh.shape[mesh_lib.STAGE]  # each on outer devices of its own
     constrain = lambda outer: placement.constrain(
         outer, self._outer_shardings(outer))
-    view = lambda state: outer_views.outer_view(state, algorithm, islands)
-    back = lambda state, outer_state: outer_views.with_outer(
-        state, outer_state, algorithm)
 
     def send(outer, island_params, weights, reference):
       """The collective of the pseudo-gradients against `reference` (the
       x the islands started the round from, or their anchors) and the
       object's `take` of its mean (x steps, or it waits in flight)."""
       mean, residuals, codec_state, included, finite = sync(
-          reference, island_params, outer.residuals, outer.codec_state,
-          weights, outer.round)
+          reference, island_params, outer.outer.residuals,
+          outer.outer.codec_state, weights, outer.round)
       x, outer_state = algorithm.take(
-          outer.global_params, view(outer), IslandMean(
+          outer.global_params, outer.outer, IslandMean(
               mean, residuals, codec_state, included, finite,
               jnp.any(included)), stages=stages)
-      return constrain(back(outer, outer_state).replace(global_params=x))
+      return constrain(outer.replace(global_params=x, outer=outer_state))
 
     def land(outer):
       """The delay's x_r: x steps on the mean that has had this round to
       arrive."""
-      x, outer_state = algorithm.land(outer.global_params, view(outer),
+      x, outer_state = algorithm.land(outer.global_params, outer.outer,
                                       stages=stages)
-      return constrain(back(outer, outer_state).replace(global_params=x))
+      return constrain(outer.replace(global_params=x, outer=outer_state))
 
     self._send = jax.jit(send)
     self._apply = jax.jit(land)
@@ -114,11 +110,14 @@ class RoundOuter(OuterSide):
       """The islands' side for the next round (the object's `start`: from
       x, or rebased onto it), with fresh inner states for `restart`."""
       islands, outer_state = algorithm.start(x, state.island_params,
-                                             view(state), included=keep,
+                                             state.outer, included=keep,
                                              stages=stages)
+      if ends_round:  # the round counted, and who was in its mean
+        outer_state = outer_state.replace(round=outer_state.round + 1,
+                                          included=keep)
       state = outer_step_lib.start_islands(
-          back(state, outer_state), x, islands, restart, inner_opt, stages)
-      state = state.replace(round=state.round + int(ends_round))
+          state.replace(outer=outer_state), x, islands, restart, inner_opt,
+          stages)
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     def eager_reset(state, landed, landed_valid, mean, mean_valid, weights,
@@ -128,35 +127,35 @@ class RoundOuter(OuterSide):
       round's `mean`; then the next round (x is not formed in a round)."""
       points, outer_state = algorithm.start(
           state.global_params, state.island_params,
-          view(state).replace(round=state.round + 1), included=keep,
+          state.outer.replace(round=state.round + 1), included=keep,
           landed=(landed, landed_valid), mean=(mean, mean_valid),
           weights=weights, stages=stages)
       state = outer_step_lib.start_islands(
-          back(state, outer_state.replace(round=state.round + 1)),
+          state.replace(outer=outer_state.replace(round=state.round + 1,
+                                                  included=keep)),
           state.global_params, points, restart, inner_opt, stages)
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     def settle(state, landed, landed_valid):
       """The end of an eager run, on the islands (the object's `finish`):
-      every island, x and x's outer state become the islands' average."""
+      every island, x and the islands' outer states become their
+      average."""
       update = algorithm.finish(
           state.global_params,
-          view(state).replace(in_flight=landed, in_flight_valid=landed_valid),
+          state.outer.replace(in_flight=landed, in_flight_valid=landed_valid),
           stages=stages)
-      state = back(state, update.state).replace(
+      state = state.replace(
           global_params=update.params, island_params=update.islands,
-          outer_opt_state=outer_views.first_island(
-              update.state.outer_opt_state))
+          outer=update.state.replace(in_flight=None, in_flight_valid=None))
       return state_lib.constrain_state(state, compute_mesh, fsdp)
 
     self._reset = jax.jit(reset, donate_argnums=0, static_argnums=4)
     self._eager_reset = jax.jit(eager_reset, donate_argnums=0)
     self._settle = jax.jit(settle, donate_argnums=0)
-    self._spend = jax.jit(lambda outer, x, outer_state: constrain(
-        outer.replace(
-            global_params=x, outer_opt_state=outer_state,
-            in_flight=jax.tree.map(jnp.zeros_like, outer.in_flight),
-            in_flight_valid=jnp.zeros((), jnp.bool_))))
+    self._spend = jax.jit(lambda outer, x: constrain(outer.replace(
+        global_params=x, outer=outer.outer.replace(
+            in_flight=jax.tree.map(jnp.zeros_like, outer.outer.in_flight),
+            in_flight_valid=jnp.zeros((), jnp.bool_)))))
     def round_masks(state, weights):
       """(restart, keep) [islands]: the islands that start the next round
       with a fresh inner state, and those in this round's mean."""
@@ -185,7 +184,7 @@ class RoundOuter(OuterSide):
     super().compile_in_background(state)
 
   def _compile_all(self, outer, islands_state, weights) -> dict:
-    reference = (islands_state.anchors if self._anchored
+    reference = (islands_state.outer.anchors if self._anchored
                  else outer.global_params)
     compiled = {"_send": self._send.lower(
         outer, islands_state.island_params, weights, reference).compile(),
@@ -215,7 +214,7 @@ class RoundOuter(OuterSide):
     island_params = move(state.island_params, self._island_trees)
     outer_weights = move(weights, self._on_islands)
     if self._anchored:  # each island's a_i (eager: its x_m)
-      reference = move(state.anchors, self._island_trees)
+      reference = move(state.outer.anchors, self._island_trees)
     else:  # s_r, the x this round started from
       reference = self._outer.global_params
     if self._eager:
@@ -251,14 +250,13 @@ class RoundOuter(OuterSide):
     nobody = jnp.zeros((state_lib.num_islands(state),), bool)
     if self._eager:
       # The last mean lands on the islands, which settle on their average;
-      # x and the outer state go back to the outer side.
+      # x goes back to the outer side, the mean in flight spent.
       landed, landed_valid = self._landed()
       state = self._settle(state, landed, landed_valid)
-      targets = self._outer_shardings(self._outer)
-      self._outer = self._spend(
-          self._outer, move(state.global_params, targets.global_params),
-          move(state.outer_opt_state, targets.outer_opt_state))
-      return strip(state)
+      self._outer = self._spend(self._outer, move(
+          state.global_params,
+          self._outer_shardings(self._outer).global_params))
+      return state
     self._outer = self._apply(self._outer)
     return self._reset(state, self._x_on_compute(), nobody, nobody, False)
 
@@ -273,9 +271,9 @@ class RoundOuter(OuterSide):
   def _landed(self):
     """The mean in flight (and whether it holds one), on the compute
     devices: eager islands step on it themselves."""
-    return (move(self._outer.in_flight, self._x_shardings),
-            move(self._outer.in_flight_valid,
-                 self._compute_shardings.in_flight_valid))
+    return (move(self._outer.outer.in_flight, self._x_shardings),
+            move(self._outer.outer.in_flight_valid,
+                 self._compute_shardings.outer.in_flight_valid))
 
 
 def build(outer_devices, islands: int, compute_mesh,

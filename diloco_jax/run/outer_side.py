@@ -11,23 +11,39 @@ from diloco_jax.parallel import placement
 from diloco_jax.parallel.outer_devices import move
 from diloco_jax.run import background
 
-# The TrainState fields that live on the outer side with 'host'.
-OUTER_FIELDS = ("outer_opt_state", "in_flight", "in_flight_valid",
-                "residuals", "codec_state")
+# The outer state's fields only the outer side holds with 'host' (and
+# under every overlap but eager updates, whose outer optimizer states are
+# the islands' own, the outer optimizer's state). The round count and
+# which islands took part are on both sides (the islands' side's, which
+# checkpoints take, is set by the islands' own masks).
+OUTER_FIELDS = ("in_flight", "in_flight_valid", "residuals", "codec_state")
+# Those only the islands hold: their own points and shares in flight.
+_ISLAND_FIELDS = ("anchors", "own_shares")
+
+
+def _outer_fields(state: state_lib.TrainState) -> tuple[str, ...]:
+  """The outer state's fields the outer side holds for `state`."""
+  if state_lib.eager(state):
+    return OUTER_FIELDS
+  return OUTER_FIELDS + ("outer_opt_state",)
 
 
 def outer_part(state: state_lib.TrainState) -> state_lib.TrainState:
-  """The part of `state` the outer side holds: x and OUTER_FIELDS (the
-  islands' params, anchors, inner states and, with eager updates, their
-  own outer states and shares stay with them)."""
-  return state.replace(island_params=None, inner_opt_state=None,
-                       anchors=None, island_outer_opt_state=None,
-                       own_shares=None)
+  """The part of `state` the outer side holds: x and `_outer_fields` of
+  its outer state (the islands' params, inner states, anchors and, with
+  eager updates, their own outer states and shares stay with them)."""
+  held = _outer_fields(state)
+  return state.replace(
+      island_params=None, inner_opt_state=None,
+      outer=state.outer.replace(**{
+          field: None for field in _ISLAND_FIELDS + ("outer_opt_state",)
+          if field not in held}))
 
 
 def strip(state: state_lib.TrainState) -> state_lib.TrainState:
-  """The islands' side of `state`: without the outer fields."""
-  return state.replace(**{field: None for field in OUTER_FIELDS})
+  """The islands' side of `state`: without the outer side's fields."""
+  return state.replace(outer=state.outer.replace(
+      **{field: None for field in _outer_fields(state)}))
 
 
 class OuterSide:
@@ -83,12 +99,18 @@ class OuterSide:
     """The whole state (for a checkpoint): the islands' side with the outer
     fields and x (streaming: with the fragments sent and not yet merged)
     copied back beside it, in their on-device layout."""
-    outer = {field: getattr(self._outer, field)
-             for field in OUTER_FIELDS + ("global_params",)}
-    targets = state_lib.state_shardings(state.replace(**outer),
-                                        self._compute_mesh, self._fsdp)
-    return state.replace(**{field: move(value, getattr(targets, field))
-                            for field, value in outer.items()})
+    held = _outer_fields(state)
+    whole = state.replace(
+        global_params=self._outer.global_params,
+        outer=state.outer.replace(**{field: getattr(self._outer.outer, field)
+                                     for field in held}))
+    targets = state_lib.state_shardings(whole, self._compute_mesh,
+                                        self._fsdp)
+    return whole.replace(
+        global_params=move(whole.global_params, targets.global_params),
+        outer=whole.outer.replace(**{
+            field: move(getattr(whole.outer, field),
+                        getattr(targets.outer, field)) for field in held}))
 
   def current(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The islands' side with the outer side's x, e.g. to evaluate it
@@ -106,7 +128,7 @@ class OuterSide:
                                        sharding=self._island_trees), tree)
     islands_state = state.replace(
         island_params=on_islands(state.island_params),
-        anchors=on_islands(state.anchors))
+        outer=state.outer.replace(anchors=on_islands(state.outer.anchors)))
     self._compiling = background.submit(
         "compile-outer", self._compile_all, outer, islands_state,
         jax.ShapeDtypeStruct((self._islands,), jnp.float32,

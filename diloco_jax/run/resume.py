@@ -113,7 +113,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
           "(config.model differs)")
     # The codec state as the checkpoint's stages shaped it.
     saved_codec = _saved_codec_state(meta, abstract_state, spec)
-    expected = abstract_state.replace(codec_state=saved_codec)
+    expected = _with_codec_state(abstract_state, saved_codec)
     mismatch = state_records.layout_mismatch(
         meta["state_layout"], state_records.state_layout_record(expected))
     if mismatch:
@@ -122,10 +122,10 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
           "outer_optimizer, config.inner_optimizer, config.diloco.codec "
           "settings, config.diloco.error_feedback or config.diloco.overlap "
           "differ)")
-    if saved_codec is abstract_state.codec_state:
+    if saved_codec is abstract_state.outer.codec_state:
       return _restore_islands(checkpointer, step, meta, abstract_state, mesh,
                               spec.inner_opt, islands, target_shardings)
-    saved_shardings = target_shardings.replace(codec_state=jax.tree.map(
+    saved_shardings = _with_codec_state(target_shardings, jax.tree.map(
         lambda _: NamedSharding(mesh, P()), saved_codec))
     state = _restore_islands(checkpointer, step, meta, expected, mesh,
                              spec.inner_opt, islands, saved_shardings)
@@ -142,8 +142,8 @@ def _saved_codec_state(meta: dict, abstract_state, spec):
   saved_config = meta.get("config", {})
   saved_stages = saved_config.get("mesh", {}).get("stage", 1)
   stages = 1 if spec.layout is None else spec.layout.stages
-  if abstract_state.codec_state is None or saved_stages == stages:
-    return abstract_state.codec_state
+  if abstract_state.outer.codec_state is None or saved_stages == stages:
+    return abstract_state.outer.codec_state
   saved_layout = run_config_lib.stage_layout(
       config_schema.from_record(saved_config))
   return jax.eval_shape(
@@ -157,9 +157,13 @@ def _with_fresh_codec_state(state, spec, target_shardings):
   its x), logged."""
   logging.warning("the codec's state (low-rank bases and ranks) is per "
                   "pipeline stage: it starts afresh for this run's stages")
-  return jax.jit(lambda s: s.replace(codec_state=state_lib.init_codec_state(
+  return jax.jit(lambda s: _with_codec_state(s, state_lib.init_codec_state(
       s.global_params, spec.compression, spec.seed, spec.layout)),
                  out_shardings=target_shardings)(state)
+
+
+def _with_codec_state(state, codec_state):
+  return state.replace(outer=state.outer.replace(codec_state=codec_state))
 
 
 def _restore_islands(checkpointer, step: int, meta: dict, abstract_state,

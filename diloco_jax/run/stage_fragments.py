@@ -31,18 +31,33 @@ _OUTER_PARTS = ("global_params", "outer_opt_state", "residuals",
                 "codec_state")  # fragments.FragmentParts' fields in order
 
 
+def _field(state: state_lib.TrainState, name: str):
+  """x, or the outer state's field `name`."""
+  if name == "global_params":
+    return state.global_params
+  return getattr(state.outer, name)
+
+
+def _with_fields(state: state_lib.TrainState,
+                 values: dict) -> state_lib.TrainState:
+  """`state` with x and outer state fields named as in _OUTER_PARTS."""
+  values = dict(values)
+  x = values.pop("global_params", state.global_params)
+  return state.replace(global_params=x, outer=state.outer.replace(**values))
+
+
 def outer_parts(state: state_lib.TrainState,
                 stage: int) -> fragments_lib.FragmentParts:
   """Stage `stage`'s part of x, the outer state, the residuals and the
   codec state of a staged `state` (arrays, or abstract with shardings)."""
   return fragments_lib.FragmentParts(*(
-      stage_part(getattr(state, field), stage) for field in _OUTER_PARTS))
+      stage_part(_field(state, field), stage) for field in _OUTER_PARTS))
 
 
 def take_outer_parts(state: state_lib.TrainState, stage: int):
   """(outer_parts(state, stage), rest) for put_outer_parts, taken before a
   program donates the parts."""
-  taken = [take_stage_part(getattr(state, field), stage)
+  taken = [take_stage_part(_field(state, field), stage)
            for field in _OUTER_PARTS]
   return (fragments_lib.FragmentParts(*(part for part, _ in taken)),
           [rest for _, rest in taken])
@@ -53,7 +68,7 @@ def put_outer_parts(state: state_lib.TrainState, rest,
                     ) -> state_lib.TrainState:
   """`state` with the stage's outer parts (take_outer_parts's `rest`)
   replaced by `parts`."""
-  return state.replace(**{
+  return _with_fields(state, {
       field: put_stage_part(field_rest, part)
       for field, field_rest, part in zip(_OUTER_PARTS, rest, parts)})
 

@@ -6,6 +6,8 @@ another config wrote with it."""
 import jax
 import numpy as np
 
+from diloco_jax.run import legacy_state
+
 
 def param_shapes_record(params) -> dict:
   """{'path/to/leaf': [dims]} for the params: compared on restore."""
@@ -24,14 +26,16 @@ def state_layout_record(state) -> list[str]:
   record = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = jax.tree_util.keystr(path)
-    if name.startswith(".codec_state"):
+    if name.startswith(".outer.codec_state"):
       name += " " + str(tuple(leaf.shape))
     record.append(name)
   return sorted(record)
 
 
 def layout_mismatch(saved: list[str], current: list[str]) -> str | None:
-  """Describes the first leaf only one of two state layouts has."""
+  """Describes the first leaf only one of two state layouts has (a saved
+  record of the older state named as today's, legacy_state.py)."""
+  saved = legacy_state.layout_record(saved)
   only_saved = sorted(set(saved) - set(current))
   only_current = sorted(set(current) - set(saved))
   if only_saved:

@@ -13,7 +13,6 @@ import jax
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_overlaps
@@ -67,16 +66,12 @@ class StateSpec:
 
   def init(self, params) -> state_lib.TrainState:
     """The logical state with every island and x at `params` (traceable)."""
-    state = state_lib.init_state(params, self.inner_opt, self.outer_opt,
-                                 self.islands, self.error_feedback,
-                                 self.compression, seed=self.seed,
-                                 overlap=self.overlap, layout=self.layout)
+    state = state_lib.init_state(params, self.inner_opt, self.outer,
+                                 self.islands, seed=self.seed,
+                                 layout=self.layout)
     if self.fragments and self.layout is not None:  # fragment s: stage s
-      state = state.replace(outer_opt_state=stage_fragments.init_outer_states(
+      state = _with_outer_opt_state(state, stage_fragments.init_outer_states(
           params, self.outer_opt, self.layout))
-    elif self.fragments:
-      state = state.replace(outer_opt_state=fragments_lib.init_outer_states(
-          params, self.outer_opt, self.fragments))
     return state
 
   def abstract(self, model_config) -> state_lib.TrainState:
@@ -91,10 +86,9 @@ class StateSpec:
     if not self.fragments:
       return state_lib.stage_state(state, self.layout)
     # One outer state per stage (fragment), stacked along the stage axis.
-    staged = state_lib.stage_state(state.replace(outer_opt_state=None),
-                                   self.layout)
-    return staged.replace(outer_opt_state=stage_fragments.stack_outer_states(
-        state.outer_opt_state))
+    staged = state_lib.stage_state(state, self.layout, skip=_OUTER_OPT)
+    return _with_outer_opt_state(staged, stage_fragments.stack_outer_states(
+        state.outer.outer_opt_state))
 
   def logical(self, state: state_lib.TrainState,
               logical_shapes: state_lib.TrainState) -> state_lib.TrainState:
@@ -103,10 +97,20 @@ class StateSpec:
       return state
     if not self.fragments:
       return state_lib.unstage_state(state, self.layout, logical_shapes)
-    logical = state_lib.unstage_state(state.replace(outer_opt_state=None),
-                                      self.layout, logical_shapes)
-    return logical.replace(outer_opt_state=stage_fragments.split_outer_states(
-        state.outer_opt_state, self.layout.stages))
+    logical = state_lib.unstage_state(state, self.layout, logical_shapes,
+                                      skip=_OUTER_OPT)
+    return _with_outer_opt_state(logical, stage_fragments.split_outer_states(
+        state.outer.outer_opt_state, self.layout.stages))
+
+
+# Stage fragments keep one outer state per stage, staged on their own.
+_OUTER_OPT = ("outer.outer_opt_state",)
+
+
+def _with_outer_opt_state(state: state_lib.TrainState,
+                          outer_opt_state) -> state_lib.TrainState:
+  return state.replace(outer=state.outer.replace(
+      outer_opt_state=outer_opt_state))
 
 
 def for_config(config, islands: int | None = None,

@@ -42,7 +42,7 @@ def run_actions(actions, state, programs, weights, host_outer=None):
 def rank_indices(state) -> tuple[int, ...] | None:
   """The low-rank codecs' ranks for this round, chosen last round (a small
   fetch of the codec state's indices)."""
-  indices = compression_lib.rank_indices(state.codec_state)
+  indices = compression_lib.rank_indices(state.outer.codec_state)
   return None if indices is None else tuple(indices)
 
 

@@ -161,8 +161,8 @@ def warm_state(source_state: state_lib.TrainState, source_mode: str,
   else:
     inner = optimizers.with_step_counts(state.inner_opt_state,
                                         source_state.step)
-  return state.replace(step=source_state.step, round=source_state.round,
-                       inner_opt_state=inner)
+  return state.replace(step=source_state.step, inner_opt_state=inner,
+                       outer=state.outer.replace(round=source_state.round))
 
 
 def _newest_readable(source: Source, read_fn):
