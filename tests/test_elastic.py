@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny
+from diloco_jax.algorithm import fragments
 from diloco_jax.algorithm import library as diloco
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.config import problems
@@ -28,6 +29,7 @@ from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import island as island_lib
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import payloads
+from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.run import state_spec
@@ -40,6 +42,10 @@ from tests import test_train
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Three rounds of two islands on the tiny config.
 RUN = {"diloco.islands": 2, "total_steps": 12, "diloco.inner_steps": 4}
+
+
+# Streaming DiLoCo on the tiny config: two fragments of one block each.
+_STREAMING = {"diloco.fragments": 2, "model.num_layers": 2}
 
 
 def _config(**overrides):
@@ -55,8 +61,12 @@ def _run_config(config):
     ({"elastic.min_islands": 3}, "config.elastic.min_islands=3 must be 0"),
     ({"elastic.grace_seconds": -1.0}, "grace_seconds=-1.0 must be a number"),
     ({"elastic.max_restarts": -2}, "max_restarts=-2 must be a whole"),
-    ({"diloco.fragments": 2, "model.num_layers": 2},
-     "config.diloco.fragments=2 with python -m diloco_jax.elastic"),
+    ({**_STREAMING, "mesh.stage": 2, "data.batch_size": 8},
+     "config.mesh.stage=2 with python -m diloco_jax.elastic: Streaming"),
+    ({**_STREAMING, "elastic.stale_rounds": 1},
+     "config.elastic.stale_rounds=1 with python -m diloco_jax.elastic"),
+    ({**_STREAMING, "diloco.island_schedule": "1->2"},
+     "config.diloco.island_schedule='1->2' with python -m diloco_jax.elastic"),
     ({"diloco.island_schedule": "1->2"},
      "config.diloco.dropped_islands='train': an elastic island out of"),
     ({"testing.kill_island": "1@2,5@1"},
@@ -196,16 +206,31 @@ def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
       _summary(failure_free)["final_eval_loss"], rel=0.01)
 
 
-# Each overlap with a codec: the delay's islands encode their own int8
-# pseudo-gradients (the coordinator steps on the decoded mean); where each
-# island keeps its own point they send their params and the codec's
-# collective runs at the coordinator.
+# Each overlap with a codec, and the tolerance its run equals the SPMD
+# run's to. Different XLA programs (one island's step against all
+# islands' at once) round differently: 1e-5. The delay's islands encode
+# their own pseudo-gradients with a dense codec (the coordinator steps on
+# the decoded mean); where each island keeps its own point they send their
+# params and the codec's collective runs at the coordinator. Streaming
+# DiLoCo's islands send the round's fragment, the delayed run's int8 with
+# error feedback encoded on each island: one quantization of its
+# pseudo-gradient where the SPMD ring quantizes twice (each island's
+# chunks, then each reduced chunk), so close, not equal: 1e-4 (measured
+# 2.5e-6).
 _OVERLAP_RUNS = {
-    "one_step_delay": {"diloco.codec": "fp32"},
-    "one_step_delay_rebase": {"diloco.codec": "int8",
-                              "diloco.error_feedback": True},
-    "eager": {"diloco.codec": "fp32"},
-    "eager_share": {"diloco.codec": "int8"},
+    "one_step_delay": ({"diloco.overlap": "one_step_delay",
+                        "diloco.codec": "fp32"}, 1e-5),
+    "one_step_delay_rebase": ({"diloco.overlap": "one_step_delay_rebase",
+                               "diloco.codec": "int8",
+                               "diloco.error_feedback": True}, 1e-5),
+    "eager": ({"diloco.overlap": "eager", "diloco.codec": "fp32"}, 1e-5),
+    "eager_share": ({"diloco.overlap": "eager_share",
+                     "diloco.codec": "int8"}, 1e-5),
+    "streaming": ({**_STREAMING, "diloco.codec": "fp32"}, 1e-5),
+    "streaming_delayed": ({**_STREAMING, "diloco.fragment_delay": 1,
+                           "diloco.fragment_alpha": 0.5,
+                           "diloco.codec": "int8",
+                           "diloco.error_feedback": True}, 1e-4),
 }
 
 
@@ -214,12 +239,16 @@ def test_every_overlap_runs_elastic_and_survives_a_kill(overlap, namespace,
                                                         tmp_path):
   """Elastic islands run every overlap of the SPMD runs through the same
   outer object: without failures the run equals the SPMD run with that
-  overlap (evals and the final loss, after the last mean lands, to 1e-5:
-  different XLA programs round differently). With island 1 SIGKILLed in
-  round 2 the round closes without it, Ray restarts it, and it rejoins
-  from the point the overlap gives it (x, or its own): every record is
-  kept and the final loss stays within 2% of the failure-free run's."""
-  overrides = {"diloco.overlap": overlap, **_OVERLAP_RUNS[overlap]}
+  overlap (evals and the final loss, after the last mean lands, to the
+  table's tolerance), and one island sends what the SPMD run counts.
+  Under streaming a round ends at each fragment's send (every 2 steps:
+  6 rounds), the islands merge the new fragment themselves (at once, or
+  a step later with alpha 0.5) and the evals fall at the SPMD run's
+  round ends. With island 1 SIGKILLed in round 2 the round closes
+  without it, Ray restarts it, and it rejoins from the point the overlap
+  gives it (x, or its own): every record is kept and the final loss stays
+  within 2% of the failure-free run's."""
+  overrides, rel = _OVERLAP_RUNS[overlap]
   flags = [f"--config.{name}={value}" for name, value in overrides.items()]
   clean = str(tmp_path / "clean")
   _elastic(namespace, clean, *flags)
@@ -227,17 +256,21 @@ def test_every_overlap_runs_elastic_and_survives_a_kill(overlap, namespace,
                                   str(tmp_path / "spmd"))
   summary = _summary(clean)
   assert summary["goodput"] == 1.0
+  if not overlap.startswith("eager"):  # eager's settle is one more send
+    assert summary["comm_bytes"] == spmd["comm_bytes"]
   assert summary["final_eval_loss"] == pytest.approx(
-      spmd["final_eval_loss"], rel=1e-5)
+      spmd["final_eval_loss"], rel=rel)
   spmd_evals = [r["eval_loss"] for r in _records(str(tmp_path / "spmd"))
                 if "eval_loss" in r]
-  assert [r["eval_loss"] for r in _records(clean)] == pytest.approx(
-      spmd_evals, rel=1e-5)
+  assert [r["eval_loss"] for r in _records(clean)
+          if "eval_loss" in r] == pytest.approx(spmd_evals, rel=rel)
 
   killed = str(tmp_path / "killed")
   _elastic(namespace, killed, *flags, "--config.testing.kill_island=1@2")
-  assert [r["included"] for r in _records(killed)] == [[1, 1], [1, 0],
-                                                       [1, 1]]
+  rounds = len(_records(clean))
+  assert rounds == (6 if overlap.startswith("streaming") else 3)
+  assert [r["included"] for r in _records(killed)] == (
+      [[1, 1], [1, 0]] + [[1, 1]] * (rounds - 2))
   assert _summary(killed)["final_eval_loss"] == pytest.approx(
       summary["final_eval_loss"], rel=0.02)
 
@@ -458,21 +491,40 @@ def test_a_stale_result_counts_its_own_update_at_reduced_weight(codec,
   coordinator.close()
 
 
-@pytest.mark.parametrize("overlap", ["one_step_delay_rebase", "eager"])
+@pytest.mark.parametrize("overlap", ["one_step_delay_rebase", "eager",
+                                     "streaming_delayed"])
 def test_a_coordinator_resumes_an_overlap_exactly(overlap, tmp_path):
   """A coordinator killed after a round's checkpoint resumes with the
   overlap's whole state: the mean in flight, each island's point and its
-  own outer state. Restored, it closes the next round on the same results
-  to the same x and the same starts, bit for bit."""
-  run_config = _run_config(_config(**{"diloco.overlap": overlap}))
+  own outer state; under streaming each fragment's outer state. Restored,
+  it closes the next round on the same results to the same x, the same
+  starts and the same state, bit for bit. (Streaming's islands send the
+  round's fragment as their int8 pseudo-gradient, encoded here as an
+  island encodes it.)"""
+  run_config = _run_config(_config(**_OVERLAP_RUNS[overlap][0]))
   rng = np.random.default_rng(0)
+  int8 = dense_codecs.make_codec("int8",
+                                 run_config.config.diloco.codec_block_size)
+
+  def sent(start, y, round_number, coordinator):
+    if not run_config.streaming:
+      return {"params": y}
+    assignment = fragments.leaf_fragments(start, 2)
+    select = lambda tree, p: fragments.select(tree, assignment, p)
+    return {"payload": {p: jax.device_get(payloads.island_payload(
+        select(start, p), select(y, p), None, int8)[0])
+                        for p in round_steps.sends(
+                            run_config.schedule,
+                            coordinator.round_ends[round_number - 1])}}
 
   def results(coordinator, round_number):
+    moved = {i: jax.tree.map(
+        lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype),
+        coordinator.start(i)) for i in range(2)}
     return {i: {"round": round_number, "share": 1.0, "tokens": 100,
                 "data_state": {"step": round_number},
-                "params": jax.tree.map(
-                    lambda a: a + rng.normal(0, 0.01, a.shape).astype(
-                        a.dtype), coordinator.start(i))}
+                **sent(coordinator.start(i), moved[i], round_number,
+                       coordinator)}
             for i in range(2)}
 
   first = coordinator_lib.Coordinator(run_config, str(tmp_path))
@@ -488,6 +540,8 @@ def test_a_coordinator_resumes_an_overlap_exactly(overlap, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, resumed.start(i),
                  first.start(i))
   jax.tree.map(np.testing.assert_array_equal, resumed.model(), first.model())
+  jax.tree.map(np.testing.assert_array_equal,
+               resumed._state, first._state)  # pylint: disable=protected-access
   first.close()
   resumed.close()
 

@@ -30,15 +30,15 @@ import optax
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_mean as island_mean_lib
+from diloco_jax.algorithm import island_trees
 from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_checks
 from diloco_jax.algorithm import outer_eager
 from diloco_jax.algorithm import outer_overlaps
-from diloco_jax.algorithm import outer_state
 from diloco_jax.algorithm import outer_rules
+from diloco_jax.algorithm import outer_state
 from diloco_jax.algorithm import overlap as overlap_lib
-from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm import streaming_rules
 
 # The state and what update returns, beside the object that makes them.
@@ -98,7 +98,7 @@ class DiLoCo:
     bases)."""
     library_checks.check_num_islands(num_islands, "init")
     per_island = ((lambda tree: tree) if num_islands is None else
-                  (lambda tree: state_lib.stack_islands(tree, num_islands)))
+                  (lambda tree: island_trees.stack_islands(tree, num_islands)))
     zeros32 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                            params)
     assignment = None
@@ -121,7 +121,7 @@ class DiLoCo:
         round=jnp.zeros((), jnp.int32),
         included=per_island(jnp.ones((), bool)),
         outer_opt_state=outer_opt_state,
-        codec_state=state_lib.init_codec_state(params, self.codec, seed),
+        codec_state=island_trees.init_codec_state(params, self.codec, seed),
         residuals=(per_island(jax.tree.map(jnp.zeros_like, params))
                    if self.error_feedback else None),
         in_flight=zeros32 if self._delayed else None,
@@ -159,18 +159,13 @@ class DiLoCo:
     if self._streaming:
       # One fragment's mean and outer step (its residuals and codec state
       # only), merged at once with no fragment_delay.
-      sent = streaming_rules.send_fragment(
-          params, island_params, state.outer_opt_state, state.codec_state,
-          state.residuals, state.recipe.assignment, fragment, self.outer_tx,
-          weights=weights, compression=self.codec, axis_name=axis_name,
-          key=key)
-      state = state.replace(
-          outer_opt_state=sent.outer_opt_states, codec_state=sent.codec_state,
-          residuals=sent.residuals, included=sent.included,
-          round=state.round + 1)
-      return Update(sent.params, island_params if self.overlap.fragment_delay
-                    else self.merge(sent.params, island_params, state,
-                                    fragment=fragment), state)
+      return self._sent(island_params, state, fragment,
+                        streaming_rules.send_fragment(
+                            params, island_params, state.outer_opt_state,
+                            state.codec_state, state.residuals,
+                            state.recipe.assignment, fragment, self.outer_tx,
+                            weights=weights, compression=self.codec,
+                            axis_name=axis_name, key=key))
     return self.apply(params, island_params, state,
                       self.mean(params, island_params, state,
                                 weights=weights, key=key,
@@ -193,7 +188,8 @@ class DiLoCo:
 
   def apply(self, params, island_params, state: OuterState,
             synced: island_mean_lib.IslandMean, *, weights=None,
-            axis_name: str | None = None, stages: int = 1) -> Update:
+            axis_name: str | None = None, stages: int = 1,
+            fragment: int | None = None) -> Update:
     """The outer step on a round's mean formed elsewhere (`mean`'s, or one
     decoded from payloads the islands encoded themselves): the codec and
     residual state it carries taken, x stepped (or the mean put in
@@ -201,8 +197,20 @@ class DiLoCo:
     where the islands keep their own progress (the delay with rebase,
     eager updates); else None will do. `stages` > 1: the trees are a
     pipeline's, each params-shaped leaf with a leading stage axis after
-    any island axis, and each stage steps its own outer state."""
+    any island axis, and each stage steps its own outer state.
+
+    Streaming: fragment `fragment`'s step, `synced` over that fragment's
+    leaves (a list in leaf order, as `fragments.select` gives them): x's
+    leaves of it stepped, and `island_params` (None will do) merged at
+    once with no fragment_delay, as `update` does."""
     outer_checks.check_state(self, state, "apply")
+    if self._streaming or fragment is not None:
+      outer_checks.check_fragment_of(self, fragment, "apply")
+      return self._sent(island_params, state, fragment,
+                        streaming_rules.step_fragment(
+                            params, state.outer_opt_state, state.codec_state,
+                            state.residuals, state.recipe.assignment,
+                            fragment, self.outer_tx, synced, self.codec))
     landed = (state.in_flight, state.in_flight_valid)
     x, state = self.land(params, state, stages=stages)
     x, state = self.take(x, state, synced, stages=stages)
@@ -300,7 +308,7 @@ class DiLoCo:
     stacked = state.included.ndim == 1
     outer_checks.check_form(stacked, axis_name, "model")
     if stacked:
-      return state_lib.islands_average(state.anchors)
+      return island_trees.islands_average(state.anchors)
     return jax.tree.map(lambda a: outer_state.mean_over(a, axis_name),
                         state.anchors)
 
@@ -339,6 +347,19 @@ class DiLoCo:
     return actions
 
   # The pieces.
+
+  def _sent(self, island_params, state: OuterState, fragment: int,
+            sent: streaming_rules.FragmentSent) -> Update:
+    """Streaming: a fragment's send taken into the state; the islands
+    merged at once with no fragment_delay (None stays None)."""
+    state = state.replace(
+        outer_opt_state=sent.outer_opt_states, codec_state=sent.codec_state,
+        residuals=sent.residuals, included=sent.included,
+        round=state.round + 1)
+    if self.overlap.fragment_delay or island_params is None:
+      return Update(sent.params, island_params, state)
+    return Update(sent.params, self.merge(sent.params, island_params, state,
+                                          fragment=fragment), state)
 
   def _recipe(self, assignment=None) -> outer_state.Recipe:
     return outer_state.Recipe(self.codec, self.overlap, self.error_feedback,

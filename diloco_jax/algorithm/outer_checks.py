@@ -58,6 +58,23 @@ def check_update(outer, params, island_params, state, weights, axis_name,
   check_outer_optimizer(outer, params, state, function)
   stacked = state.included.ndim == 1
   check_form(stacked, axis_name, function)
+  check_fragment_of(outer, fragment, function)
+  k = library_checks.check_update(
+      params, island_params, residuals=state.residuals,
+      codec_state=state.codec_state, weights=weights,
+      compression=outer.codec, axis_name=axis_name, made_by="outer.init",
+      used_by=f"outer.{function}")
+  if stacked and k != state.included.shape[0]:
+    raise ValueError(
+        f"{function}: island_params hold {k} islands but the state was "
+        f"made for {state.included.shape[0]}: give every island's params "
+        f"stacked [k, ...], or make the state with init(params, {k})")
+  return stacked
+
+
+def check_fragment_of(outer, fragment, function: str) -> None:
+  """`fragment` is one of a streaming object's fragments, and None for
+  any other overlap."""
   if isinstance(outer.overlap, outer_overlaps.Streaming):
     if fragment is None:
       raise ValueError(
@@ -70,17 +87,6 @@ def check_update(outer, params, island_params, state, weights, axis_name,
     raise ValueError(f"{function}: fragment={fragment!r} with overlap "
                      f"{outer.overlap}: only streaming(...) sends "
                      "fragments; leave fragment out")
-  k = library_checks.check_update(
-      params, island_params, residuals=state.residuals,
-      codec_state=state.codec_state, weights=weights,
-      compression=outer.codec, axis_name=axis_name, made_by="outer.init",
-      used_by=f"outer.{function}")
-  if stacked and k != state.included.shape[0]:
-    raise ValueError(
-        f"{function}: island_params hold {k} islands but the state was "
-        f"made for {state.included.shape[0]}: give every island's params "
-        f"stacked [k, ...], or make the state with init(params, {k})")
-  return stacked
 
 
 def check_form(stacked: bool, axis_name, function: str) -> None:

@@ -106,13 +106,32 @@ def send_fragment(global_params, island_params, outer_opt_states,
                                             assignment, fragment)
   fragment_codec_state = (None if codec_state is None
                           else tuple(codec_state[i] for i in positions))
-  x = select(global_params)
   synced = island_mean_lib.island_mean(
-      x, select(island_params), weights=weights,
+      select(global_params), select(island_params), weights=weights,
       residuals=select(residuals), codec_state=fragment_codec_state,
       compression=compression, axis_name=axis_name, key=key)
+  return step_fragment(global_params, outer_opt_states, codec_state,
+                       residuals, assignment, fragment, outer_tx, synced,
+                       compression)
+
+
+def step_fragment(global_params, outer_opt_states, codec_state, residuals,
+                  assignment, fragment: int,
+                  outer_tx: optax.GradientTransformation,
+                  synced: island_mean_lib.IslandMean,
+                  compression) -> FragmentSent:
+  """A fragment's outer step on its mean formed elsewhere (`send_fragment`'s
+  second half; or a mean decoded from payloads the islands encoded
+  themselves): `synced` is over the fragment's leaves (in leaf order), its
+  residuals those leaves' too, or None."""
+  compression = compression_lib.as_compression(compression)
+  positions = fragments_lib.codec_positions(global_params, compression,
+                                            assignment, fragment)
+  fragment_codec_state = (None if codec_state is None
+                          else tuple(codec_state[i] for i in positions))
   x, outer_state, kept = outer_rules.fragment_step(
-      outer_tx, x, outer_opt_states[fragment],
+      outer_tx, fragments_lib.select(global_params, assignment, fragment),
+      outer_opt_states[fragment],
       (None if fragment_codec_state is None
        else (fragment_codec_state, synced.codec_state)),
       synced.mean, synced.anyone)

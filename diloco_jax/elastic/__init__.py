@@ -7,6 +7,8 @@ leaves the others training (python -m diloco_jax.elastic; docs/elastic.md).
   coordinator.py  x, the outer state, data positions; the outer step;
                   checkpoints.
   quorum.py       when a round closes, and who made it.
+  round_steps.py  which inner steps each round covers (under Streaming
+                  DiLoCo a round ends at each fragment's send).
   driver.py       the run: Ray, the islands, the rounds.
 
 Needs Ray: pip install -e .[elastic]. The top layer: may import every

@@ -7,7 +7,10 @@ library's `diloco(...)`) over the k islands stacked, weight 0 for those
 left out: the same collective, outer optimizer and overlap as the SPMD
 runs, run where the islands' params meet. Under the overlaps that keep
 each island's own progress (the delay with rebase, eager updates) each
-island starts its next round from its own point (`start`), not x.
+island starts its next round from its own point (`start`), not x. Under
+Streaming DiLoCo a round ends at each fragment's send (round_steps.py): the
+object's update of that fragment (`fragment=p`) on what the islands sent
+of it, x's other fragments untouched; each island merges it itself.
 """
 
 import functools
@@ -18,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import library
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.elastic import payloads
+from diloco_jax.elastic import round_steps
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.run import state_spec as state_spec_lib
 
@@ -41,6 +46,7 @@ class Coordinator:
       contributed to (None: the stream's start).
     round_bytes: what one island's payload of the last round costs over
       the link through the codec (library.bytes_sent).
+    round_ends: each round's last inner step (round_steps.round_ends).
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, workdir: str):
@@ -61,13 +67,16 @@ class Coordinator:
     self._state = jax.device_get(outer.init(self.x, self._islands,
                                             seed=spec.seed))
     self._rounding_seed = run_config.diloco.rounding_seed
+    self._schedule = run_config.schedule
+    self._streaming = run_config.streaming
+    self.round_ends = round_steps.round_ends(run_config)
     self.rounds_done = 0
     self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands
     self._stale_rounds = config.elastic.stale_rounds
     self._starts_of_round = {}  # round -> the points it started from
-    self._update = jax.jit(outer.update)
-    self._apply = jax.jit(outer.apply)
+    self._update = jax.jit(outer.update, static_argnames="fragment")
+    self._apply = jax.jit(outer.apply, static_argnames="fragment")
     self._finish = jax.jit(outer.finish)
     self._model = jax.jit(outer.model)
     self._checkpoints = ocp.CheckpointManager(
@@ -107,11 +116,14 @@ class Coordinator:
     rule) counts with its pseudo-gradient against the point it started
     from, its weight divided by 1 + its staleness in rounds. Returns which
     islands took part."""
-    self._starts_of_round[round_number] = self._points()
     weights = np.zeros(self._islands, np.float32)
     for i, result in results.items():
       staleness = round_number - result["round"]
       weights[i] = result["share"] * result["tokens"] / (1 + staleness)
+    if self._streaming:
+      return self._closed(results, self._send_fragments(results, weights,
+                                                        round_number))
+    self._starts_of_round[round_number] = self._points()
     # What one island's payload costs over the link, as the SPMD runs
     # count it (the codec's bytes at this round's ranks).
     self.round_bytes = library.bytes_sent(self.x, self._islands,
@@ -122,16 +134,67 @@ class Coordinator:
     else:
       step = self._step_on_params(results, weights, round_number)
     self.x, self._state = jax.device_get((step.params, step.state))
-    included = np.asarray(self._state.included)
-    for i in np.flatnonzero(included):
-      self.data_states[i] = results[int(i)]["data_state"]
-    self.rounds_done += 1
     # The points each round started from, kept while a late result of
     # that round could still be applied.
     self._starts_of_round = {
         r: points for r, points in self._starts_of_round.items()
         if r > round_number - self._stale_rounds}
+    return self._closed(results, np.asarray(self._state.included))
+
+  def _closed(self, results, included) -> np.ndarray:
+    """The round counted, each included island's data position moved on;
+    returns `included`."""
+    for i in np.flatnonzero(included):
+      self.data_states[i] = results[int(i)]["data_state"]
+    self.rounds_done += 1
     return included
+
+  def _send_fragments(self, results, weights, round_number) -> np.ndarray:
+    """Streaming: the sends the schedule puts at the round's end, in its
+    order, each the object's update of that fragment on what the islands
+    sent of it (its params, or its pseudo-gradient encoded). Returns the
+    islands included in every one."""
+    step = self.round_ends[round_number - 1]
+    assignment = self._state.recipe.assignment
+    included = np.ones(self._islands, bool)
+    self.round_bytes = 0
+    for p in round_steps.sends(self._schedule, step):
+      x_p = fragments_lib.select(self.x, assignment, p)
+      self.round_bytes += library.bytes_sent(
+          x_p, self._islands, self._outer.codec,
+          self._fragment_codec_state(p))
+      if self._island_encoded:
+        sent = self._apply(self.x, None, self._state, self._decoded_mean(
+            {i: r["payload"][p] for i, r in results.items()}, weights, x_p),
+                           fragment=p)
+      else:
+        # Every island's params with its fragment p (x's elsewhere: the
+        # send reads fragment p's leaves only).
+        islands = jax.tree.map(lambda *leaves: np.stack(leaves), *[
+            fragments_lib.replace(self.x, assignment, p,
+                                  results[i]["params"][p])
+            if i in results else self.x for i in range(self._islands)])
+        key = None
+        if self._rounding_seed is not None:
+          key = jax.random.fold_in(
+              jax.random.key(self._rounding_seed), fragments_lib.send_index(
+                  step, self._outer.overlap.num_fragments, p))
+        sent = self._update(self.x, islands, self._state,
+                            weights=jnp.asarray(weights), key=key,
+                            fragment=p)
+      self.x, self._state = jax.device_get((sent.params, sent.state))
+      included &= np.asarray(self._state.included)
+    return included
+
+  def _fragment_codec_state(self, fragment: int):
+    """The codec state's entries of `fragment`'s matrices (low rank's
+    ranks), or None."""
+    if self._state.codec_state is None:
+      return None
+    return tuple(self._state.codec_state[i] for i in
+                 fragments_lib.codec_positions(
+                     self.x, self._outer.codec, self._state.recipe.assignment,
+                     fragment))
 
   def _points(self):
     """The islands' points now: their anchors, or x for every one."""
@@ -168,14 +231,28 @@ class Coordinator:
     """The outer step on the islands' encoded pseudo-gradients: decoded,
     their weighted mean in float32, then the outer object's step on it (a
     late island's is against the x it started from already)."""
+    return self._apply(self.x, None, self._state, self._decoded_mean(
+        {i: result["payload"] for i, result in results.items()}, weights,
+        self.x))
+
+  def _decoded_mean(self, sent: dict, weights, like):
+    """The islands' payloads (island -> payload) of a tree shaped like
+    `like` (x, or a fragment's leaves) as the mean the outer object
+    takes: decoded, their weighted mean in float32 (dense codecs keep no
+    codec state, and the residuals stay on the islands)."""
     codec = self._outer.codec.dense
-    size = sum(leaf.size for leaf in jax.tree.leaves(self.x))
+    size = sum(leaf.size for leaf in jax.tree.leaves(like))
     decoded = np.zeros((self._islands, size), np.float32)
-    for i, result in results.items():
-      decoded[i] = payloads.decode(result["payload"], codec, size)
-    return self._apply(self.x, None, self._state, _decoded_mean(
-        jnp.asarray(decoded), jnp.asarray(weights), self.x,
-        self._state.codec_state))
+    for i, payload in sent.items():
+      decoded[i] = payloads.decode(payload, codec, size)
+    decoded = jnp.asarray(decoded)
+    mean, included, anyone = payloads.weighted_mean(decoded,
+                                                    jnp.asarray(weights))
+    return library_diloco.IslandMean(
+        mean=payloads.unflatten(mean, like), residuals=None,
+        codec_state=None if self._streaming else self._state.codec_state,
+        included=included, finite=jnp.all(jnp.isfinite(decoded), axis=1),
+        anyone=anyone)
 
   def save(self) -> None:
     """Checkpoints x, the outer state, the data positions and the round
@@ -212,17 +289,6 @@ class Coordinator:
 
   def close(self) -> None:
     self._checkpoints.close()
-
-
-def _decoded_mean(decoded, weights, x, codec_state):
-  """The round's mean as the outer object takes it, from the islands'
-  decoded pseudo-gradients [k, n] (traceable; dense codecs keep no codec
-  state, and the residuals stay on the islands)."""
-  mean, included, anyone = payloads.weighted_mean(decoded, weights)
-  return library_diloco.IslandMean(
-      mean=payloads.unflatten(mean, x), residuals=None,
-      codec_state=codec_state, included=included,
-      finite=jnp.all(jnp.isfinite(decoded), axis=1), anyone=anyone)
 
 
 def _legacy_state(state: outer_lib.OuterState) -> library_diloco.DiLoCoState:

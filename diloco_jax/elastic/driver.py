@@ -25,6 +25,7 @@ from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import fleet as fleet_lib
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
+from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.model import transformer as model_lib
 
@@ -81,8 +82,10 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
   config = run_config.config
   slots = run_config.islands
-  inner_steps = run_config.diloco.inner_steps
-  rounds = -(-config.total_steps // inner_steps)
+  # Each round's last step: every H steps, or under streaming each
+  # fragment's send (round_steps.py).
+  ends = round_steps.round_ends(run_config)
+  rounds = len(ends)
   fleet = fleet_lib.Fleet(run_config, settings, workdir)
   tally = _Tally()
   start_time = time.monotonic()
@@ -91,8 +94,8 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   with open(metrics_path, "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
-      first_step = coordinator.rounds_done * inner_steps
-      steps = min(inner_steps, config.total_steps - first_step)
+      first_step = ends[round_number - 2] if round_number > 1 else 0
+      steps = ends[round_number - 1] - first_step
       members, problem = membership.members(
           workdir, slots, run_config.diloco.island_schedule,
           round_number - 1, rounds)
@@ -101,7 +104,7 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       joined, left = fleet.set_members(members)
       calls = fleet.start_round(_start_refs(coordinator, members),
                                 round_number, coordinator.data_states,
-                                steps)
+                                steps, first_step)
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
@@ -125,8 +128,9 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
         # before the last round's eval (as the SPMD runs do); checkpointed
         # with the round.
         coordinator.finish()
-      every = config.eval.every_rounds
-      if round_number == rounds or (every and round_number % every == 0):
+      # Evaluated where the SPMD runs evaluate: the ends of every
+      # eval.every_rounds-th run's round, and the last step.
+      if run_config.schedule.evaluates(first_step + steps):
         record["eval_loss"] = evaluate(coordinator.model())
       # The record first, then the checkpoint: a rerun after a kill in
       # between drops the records of rounds it did not checkpoint.

@@ -46,18 +46,19 @@ class Fleet:
     return joined, left
 
   def start_round(self, starts: dict, round_number: int, data_states: list,
-                  steps: int) -> dict:
+                  steps: int, first_step: int) -> dict:
     """This round's calls (ObjectRef -> island): a new one per member
-    from its start (`starts`: island -> the params it starts from), but
-    for an island still training an earlier round, whose late result
-    counts in this one."""
+    from its start (`starts`: island -> the params it starts from), for
+    `steps` inner steps after the run's `first_step`, but for an island
+    still training an earlier round, whose late result counts in this
+    one."""
     self.calls = {ref: i for i, (ref, _) in self._in_flight.items()}
     self._started = {ref: r for ref, r in self._in_flight.values()}
     for i in self._programs:
       if i not in self._in_flight:
         ref = _train_call(self._programs[i], i in self._rejoining).remote(
             starts[i], round_number, data_states[i], steps,
-            self._applied.get(i, False))
+            self._applied.get(i, False), first_step)
         self.calls[ref], self._started[ref] = i, round_number
     return self.calls
 

@@ -11,6 +11,14 @@ state starts fresh, counted from the round's first step (the learning
 rate schedule goes on where the run is): its process's memory is gone,
 and a state from its own last checkpoint would be rounds older than the
 x it rejoins at.
+
+Under Streaming DiLoCo an island keeps its own params too: a round
+(round_steps.py) ends at a fragment's send, the island sends that fragment
+(its params, or its pseudo-gradient encoded with a dense codec that
+compresses) and trains on from its own params, merging each fragment the
+coordinator stepped with the outer object's merge at the step the run's
+schedule puts it. An island whose last result did not reach x (late, or
+a new process) starts from x, as a restarted one does.
 """
 
 import dataclasses
@@ -24,12 +32,14 @@ import jax
 import numpy as np
 import ray
 
+from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import payloads
+from diloco_jax.elastic import round_steps
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import setup as setup_lib
@@ -64,6 +74,7 @@ class IslandProgram:
     run_spec = state_spec_lib.for_run(run_config)
     self._spec = dataclasses.replace(run_spec, islands=1, compression=None,
                                      error_feedback=False)
+    self._build_fragments(run_config, run_spec)
     self._build_sender(run_config, run_spec)
     mesh = config.mesh
     self._mesh = mesh_lib.build_mesh(
@@ -79,6 +90,7 @@ class IslandProgram:
                                                       state_lib.BATCH_SPEC)
     self._state = None  # built at the first round, from that round's x
     self._inner_steps = run_config.diloco.inner_steps
+    self._schedule = run_config.schedule
     self.tokens_per_step = (config.data.batch_size
                             * config.data.sequence_length)
     # This island's share of the corpus (times k: 1 for iid islands).
@@ -90,15 +102,21 @@ class IslandProgram:
     return os.getpid()
 
   def train_round(self, x, round_number: int, data_state: dict | None,
-                  steps: int, last_applied: bool = False) -> dict:
+                  steps: int, last_applied: bool = False,
+                  first_step: int | None = None) -> dict:
     """`steps` inner steps from x, on the batches after `data_state` (None:
     the stream's start). `last_applied`: whether this island's previous
-    result reached x (its error-feedback residual then moves on).
+    result reached x (its error-feedback residual then moves on; under
+    streaming it trains on from its own params). `first_step`: the run's
+    steps before the round (default: round_number - 1 rounds of H).
 
     Returns what the island sends (its params y, or with a dense codec
-    that compresses, its encoded pseudo-gradient: host arrays), the
+    that compresses, its encoded pseudo-gradient: host arrays; under
+    streaming those of the fragments sent at the round's end), the
     stream position after the steps, the train losses, the tokens trained
     and the island's share of the corpus."""
+    if first_step is None:
+      first_step = (round_number - 1) * self._inner_steps
     if self._pending_residual is not None:
       if last_applied:
         self._residual = self._pending_residual
@@ -106,8 +124,10 @@ class IslandProgram:
     if data_state is not None:
       self._batches.restore(data_state)
     if self._state is None:
-      self._state = self._fresh_state(
-          x, (round_number - 1) * self._inner_steps)
+      self._state = self._fresh_state(x, first_step)
+    elif self._streaming and last_applied:  # on from its own params
+      self._merge(x, round_steps.merges_after_sends(self._schedule,
+                                                    first_step))
     else:
       self._state = self._state.replace(island_params=self._island_params(x))
     time.sleep(self._slow_rounds.get(round_number, 0))
@@ -122,16 +142,37 @@ class IslandProgram:
       batch = jax.device_put(self._batches.next_batch(), self._batch_sharding)
       self._state, metrics = self._inner_step(self._state, batch)
       losses.append(metrics["loss"])
+      if self._streaming:
+        self._merge(x, round_steps.merges_before_sends(
+            self._schedule, first_step + step + 1))
     return {
         "island": self.island, "round": round_number,
         **self._sent(x, self._params(self._state.island_params),
-                     round_number),
+                     round_number, first_step + steps),
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
         "tokens": steps * self.tokens_per_step, "share": self.share,
         # The Ray node it runs on (None outside Ray: tests call it).
         "node": (ray.get_runtime_context().get_node_id()
                  if ray.is_initialized() else None)}
+
+  def _merge(self, x, fragments) -> None:
+    """The outer object's merge of each of `fragments` from x into this
+    island's params (streaming)."""
+    for p in fragments:
+      self._state = self._state.replace(
+          island_params=self._merges[p](x, self._state.island_params))
+
+  def _build_fragments(self, run_config, run_spec) -> None:
+    """Streaming: the run's outer object and its state for one island,
+    abstract (a merge reads its recipe, each leaf's fragment, only)."""
+    self._streaming = run_config.streaming
+    if self._streaming:
+      self._outer = run_spec.outer
+      self._outer_state = jax.eval_shape(
+          lambda params: self._outer.init(params, 1),
+          model_lib.param_shapes(run_config.config.model))
+      self._assignment = self._outer_state.recipe.assignment
 
   def _build_sender(self, run_config, run_spec) -> None:
     """What the island sends: its params, or its pseudo-gradient encoded
@@ -142,33 +183,67 @@ class IslandProgram:
     self._encodes = payloads.encoded_on_island(run_spec.outer)
     self._residual = self._pending_residual = None
     self._rounding_seed = run_config.diloco.rounding_seed
+    shapes = model_lib.param_shapes(run_config.config.model)
     if not self._encodes:
       return
     if run_spec.error_feedback:
-      self._residual = np.zeros(
-          sum(leaf.size for leaf in jax.tree.leaves(
-              model_lib.param_shapes(run_config.config.model))),
-          np.float32)
+      # One flat residual of all params, or one per fragment.
+      parts = ([shapes] if not self._streaming else
+               [fragments_lib.select(shapes, self._assignment, p)
+                for p in range(self._outer.overlap.num_fragments)])
+      residuals = [np.zeros(sum(leaf.size for leaf in jax.tree.leaves(part)),
+                            np.float32) for part in parts]
+      self._residual = residuals if self._streaming else residuals[0]
     self._send = jax.jit(functools.partial(
         payloads.island_payload, codec=compression.dense,
         feedback_decay=compression.feedback_decay))
 
-  def _sent(self, x, y, round_number: int) -> dict:
+  def _sent(self, x, y, round_number: int, step: int) -> dict:
     """The result's payload part: {"params": y} or {"payload": ...}, and
-    its bytes."""
+    its bytes; under streaming each a dict, fragment -> that fragment's
+    (the fragments the schedule sends after `step`)."""
+    if self._streaming:
+      return self._sent_fragments(x, y, round_number, step)
     if not self._encodes:
       params = jax.device_get(y)
       return {"params": params, "sent_bytes": payloads.nbytes(params)}
-    key = None
-    if self._rounding_seed is not None:
-      key = jax.random.fold_in(jax.random.fold_in(
-          jax.random.key(self._rounding_seed), round_number), self.island)
-    payload, residual = self._send(x, y, self._residual, key=key)
+    payload, residual = self._send(x, y, self._residual,
+                                   key=self._key(round_number))
     # Kept until the coordinator says whether this result reached x.
     self._pending_residual = (None if residual is None
                               else jax.device_get(residual))
     payload = jax.device_get(payload)
     return {"payload": payload, "sent_bytes": payloads.nbytes(payload)}
+
+  def _sent_fragments(self, x, y, round_number: int, step: int) -> dict:
+    """Streaming's payload part: per fragment sent after `step`, its
+    leaves of y, or its pseudo-gradient encoded with its own residual."""
+    select = lambda tree, p: fragments_lib.select(tree, self._assignment, p)
+    sent = {}
+    residuals = None if self._residual is None else list(self._residual)
+    for p in round_steps.sends(self._schedule, step):
+      if not self._encodes:
+        sent[p] = jax.device_get(select(y, p))
+        continue
+      key = self._key(round_number)
+      sent[p], residual = self._send(
+          select(x, p), select(y, p),
+          None if residuals is None else residuals[p],
+          key=None if key is None else jax.random.fold_in(key, p))
+      if residual is not None:
+        residuals[p] = jax.device_get(residual)
+    # Kept until the coordinator says whether this result reached x.
+    self._pending_residual = residuals
+    sent = jax.device_get(sent)
+    return {"payload" if self._encodes else "params": sent,
+            "sent_bytes": payloads.nbytes(sent)}
+
+  def _key(self, round_number: int):
+    """This island's stochastic rounding key for the round, or None."""
+    if self._rounding_seed is None:
+      return None
+    return jax.random.fold_in(jax.random.fold_in(
+        jax.random.key(self._rounding_seed), round_number), self.island)
 
   def _build_conversions(self, config) -> None:
     """The compiled moves between the coordinator's x (logical, host) and
@@ -198,4 +273,11 @@ class IslandProgram:
 
     self._island_params = jax.jit(island_params,
                                   out_shardings=shardings.island_params)
+    if self._streaming:  # per fragment, the outer object's merge
+      outer, outer_state = self._outer, self._outer_state
+      self._merges = [jax.jit(
+          lambda x, islands, p=p: outer.merge(x, islands, outer_state,
+                                              fragment=p),
+          out_shardings=shardings.island_params)
+                      for p in range(outer.overlap.num_fragments)]
     self._params = jax.jit(params)

@@ -39,8 +39,6 @@ class ElasticSettings:
 # step at the coordinator.
 _NOT_YET = (
     ("mode", "diloco", "elastic islands run DiLoCo"),
-    ("diloco.fragments", 1, "elastic rounds sync the whole model: "
-     "Streaming DiLoCo's staggered sends are not elastic yet"),
     ("diloco.outer_placement", "device",
      "the coordinator holds the outer state"),
     ("diloco.drop_probability", 0.0,
@@ -50,12 +48,25 @@ _NOT_YET = (
     ("testing.nan_island", "",
      "elastic islands are tested by killing their processes"),
 )
+# The same for Streaming DiLoCo's runs (fragments, fragment_delay or
+# fragment_alpha set).
+_STREAMING_NOT_YET = (
+    ("mesh.stage", 1, "Streaming DiLoCo on pipelined islands sends each "
+     "stage's share of every leaf (stage_fragments.py); elastic islands send "
+     "fragments of whole blocks"),
+    ("elastic.stale_rounds", 0, "under Streaming DiLoCo a late result "
+     "carries another fragment than the round it lands in sends"),
+    ("diloco.island_schedule", "", "an elastic island out of the membership "
+     "has no process, and Streaming DiLoCo's islands out of it train on "
+     "(dropped_islands='train')"),
+)
 
 
 def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
   """config.elastic of a validated run, or ConfigError in one line."""
   config = run_config.config
-  for name, needed, why in _NOT_YET:
+  for name, needed, why in _NOT_YET + (
+      _STREAMING_NOT_YET if run_config.streaming else ()):
     value = config
     for part in name.split("."):
       value = value[part]
