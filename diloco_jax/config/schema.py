@@ -72,20 +72,30 @@ def base_config() -> ml_collections.ConfigDict:
       # result is applied if it arrives within stale_rounds rounds (its
       # pseudo-gradient against the x it started from, its weight divided
       # by 1 + its staleness), else dropped (0: always dropped).
+      # round_budget 'steps': every island takes H inner steps a round;
+      # 'time': a round lasts the fastest island's H steps and each island
+      # takes as many as fit, weighted by the tokens it trained
+      # (elastic/speeds.py).
       "elastic": Section({
           "min_islands": 0,
           "grace_seconds": 0.0,
           "max_restarts": 3,
           "stale_rounds": 0,
+          "round_budget": "steps",
       }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged
       # islands. Elastic islands: kill_island ('ISLAND@ROUND', or several
       # comma-separated) has that island's process SIGKILL itself once at a
-      # step of that round drawn from the seed; slow_island (the same form)
-      # has it sleep slow_seconds before that round's first step.
+      # step of that round drawn from the seed ('ISLAND@ROUND:after': right
+      # after its result of that round reached the coordinator, on the
+      # coordinator's host); slow_island (the same form)
+      # has it sleep slow_seconds before that round's first step;
+      # island_speeds ('1,1,0.5,0.25': one per island, each in (0, 1])
+      # makes each island's every inner step take 1/speed as long.
       "testing": Section({"nan_island": "", "kill_island": "",
-                          "slow_island": "", "slow_seconds": 10.0}),
+                          "slow_island": "", "slow_seconds": 10.0,
+                          "island_speeds": ""}),
       "log_every_seconds": 5.0,
   })
 

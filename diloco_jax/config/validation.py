@@ -85,7 +85,7 @@ def validate_config(
     num_devices: how many devices the mesh can be built from.
     elastic: whether the run is on elastic islands (python -m
       diloco_jax.elastic), the only runs whose islands the testing hooks
-      kill_island and slow_island reach.
+      kill_island, slow_island and island_speeds reach.
   """
   outer = config.diloco.outer_optimizer
   set_outer = {"learning_rate": outer.learning_rate,
@@ -122,7 +122,7 @@ def validate_config(
 def _check_elastic_hooks(config, elastic: bool, problems: Problems) -> None:
   """The elastic runs' failure hooks, refused where they would do nothing:
   an SPMD run's islands are one program, so one island cannot die alone."""
-  for name in ("kill_island", "slow_island"):
+  for name in ("kill_island", "slow_island", "island_speeds"):
     problems.require(
         elastic or not config.testing[name], f"testing.{name}",
         f"config.testing.{name}={config.testing[name]!r} is for elastic "

@@ -10,6 +10,7 @@ leaves the others training (python -m diloco_jax.elastic; docs/elastic.md).
   round_steps.py  which inner steps each round covers (under Streaming
                   DiLoCo a round ends at each fragment's send).
   driver.py       the run: Ray, the islands, the rounds.
+  ray_watch.py    the run's Ray processes ended with the coordinator.
 
 Needs Ray: pip install -e .[elastic]. The top layer: may import every
 layer below it (run/, analysis/, config/, algorithm/, parallel/ and

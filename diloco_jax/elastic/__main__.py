@@ -11,6 +11,7 @@ from diloco_jax.config import validation
 from diloco_jax.elastic import driver
 from diloco_jax.elastic import settings
 from diloco_jax.run import quiet_logs
+from diloco_jax.run import workdir
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A config file (configs/*.py), as for diloco_jax.main.")
@@ -37,9 +38,18 @@ def main(argv):
       settings.check_answers(_RAY_ADDRESS.value)
   except problems.ConfigError as error:
     raise SystemExit(f"error: {error}") from None
-  summary = driver.run(run_config, _WORKDIR.value, _RAY_ADDRESS.value)
-  print(f"final eval loss {summary['final_eval_loss']:.4f}, goodput "
-        f"{summary['goodput']:.3f}, {summary['wall_seconds']:.1f}s")
+  try:
+    summary = driver.run(run_config, _WORKDIR.value, _RAY_ADDRESS.value)
+  except workdir.WorkdirError as error:  # another coordinator holds it
+    raise SystemExit(f"error: {error}") from None
+  said = (f"final eval loss {summary['final_eval_loss']:.4f}, goodput "
+          + ("none" if summary["goodput"] is None  # no round ran
+             else f"{summary['goodput']:.3f}"))
+  if summary.get(driver.ALREADY_FINISHED):
+    print(f"the run in {_WORKDIR.value} already finished ({said}); "
+          "summary.json is left as it is")
+  else:
+    print(f"{said}, {summary['wall_seconds']:.1f}s")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class Coordinator:
     round_bytes: what one island's payload of the last round costs over
       the link through the codec (library.bytes_sent).
     round_ends: each round's last inner step (round_steps.round_ends).
+    counters: what the driver counts over the run's rounds (a JSON
+      dict), checkpointed with them; None if the checkpoint restored
+      holds none (written before they were kept) or there is none.
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, workdir: str):
@@ -73,6 +76,7 @@ class Coordinator:
     self.rounds_done = 0
     self.round_bytes = 0
     self.data_states: list[dict | None] = [None] * self._islands
+    self.counters: dict | None = None
     self._stale_rounds = config.elastic.stale_rounds
     self._starts_of_round = {}  # round -> the points it started from
     self._update = jax.jit(outer.update, static_argnames="fragment")
@@ -255,14 +259,18 @@ class Coordinator:
         anyone=anyone)
 
   def save(self) -> None:
-    """Checkpoints x, the outer state, the data positions and the round
-    (orbax; a save interrupted by a kill leaves the previous one)."""
+    """Checkpoints x, the outer state, the data positions, the round and
+    the counters (orbax; a save interrupted by a kill leaves the previous
+    one)."""
+    progress = {"rounds_done": self.rounds_done,
+                "data_states": self.data_states,
+                "outer_format": _OUTER_FORMAT}
+    if self.counters is not None:
+      progress["counters"] = self.counters
     self._checkpoints.save(self.rounds_done, args=ocp.args.Composite(
         x=ocp.args.StandardSave(self.x),
         outer=ocp.args.StandardSave(self._state),
-        progress=ocp.args.JsonSave({"rounds_done": self.rounds_done,
-                                    "data_states": self.data_states,
-                                    "outer_format": _OUTER_FORMAT})))
+        progress=ocp.args.JsonSave(progress)))
     self._checkpoints.wait_until_finished()
 
   def restore(self) -> bool:
@@ -285,6 +293,7 @@ class Coordinator:
                    else restored.outer)
     self.rounds_done = int(progress["rounds_done"])
     self.data_states = list(progress["data_states"])
+    self.counters = progress.get("counters")
     return True
 
   def close(self) -> None:

@@ -25,30 +25,62 @@ from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import fleet as fleet_lib
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
+from diloco_jax.elastic import ray_watch
 from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import settings as settings_lib
+from diloco_jax.elastic import speeds
 from diloco_jax.model import transformer as model_lib
+from diloco_jax.run import workdir as workdir_lib
+
+
+# The key run() adds to the summary it returns (not to summary.json) for
+# a run that had finished already.
+ALREADY_FINISHED = "already_finished"
 
 
 def run(run_config: run_config_lib.RunConfig, workdir: str,
         ray_address: str | None = None) -> dict:
   """Trains `run_config` on elastic islands; returns the summary written to
   workdir/summary.json. `ray_address`: a running Ray cluster's, or None to
-  start one on this machine (bound to 127.0.0.1)."""
+  start one on this machine (bound to 127.0.0.1).
+
+  The workdir is locked for the call (run/workdir.py's claim: a second
+  coordinator on it is refused with workdir.WorkdirError before it writes
+  anything; the lock goes with the process however it ends). A run that
+  finished already (its last round checkpointed, its summary written) is
+  left as it is: its summary is returned, with ALREADY_FINISHED: True."""
   settings = settings_lib.check(run_config)
   if ray_address not in (None, "auto"):
     settings_lib.check_answers(ray_address)
   config = run_config.config
-  workdir = str(pathlib.Path(workdir).resolve())
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  claim = workdir_lib.claim(str(pathlib.Path(workdir).resolve()),
+                            checkpoints=_CHECKPOINTS)
+  try:
+    workdir = claim.workdir
+    finished = _finished_summary(run_config, workdir)
+    if finished is not None:
+      return {**finished, ALREADY_FINISHED: True}
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+    return _run_on_ray(run_config, settings, workdir, ray_address)
+  finally:
+    claim.release()
+
+
+def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
   # Ray starts its processes by forking: before this process starts JAX's
   # threads (forking a multithreaded process can deadlock the child).
   started_ray = not ray.is_initialized()
+  watch = None
   if started_ray:
     ray.init(address=ray_address, include_dashboard=False,
              configure_logging=False)
+    if ray_address is None:
+      # This run's own Ray: every process of it ends within a second of
+      # this one, however this one ends (ray_watch.py).
+      context = ray.get_runtime_context()
+      watch = ray_watch.start(os.path.join(context.get_temp_dir(),
+                                           context.get_session_name()))
   coordinator = None
   try:
     coordinator = coordinator_lib.Coordinator(run_config, workdir)
@@ -60,11 +92,37 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
       coordinator.close()
     if started_ray:
       ray.shutdown()
+    if watch is not None:
+      ray_watch.stop(watch)
+
+
+# Where the coordinator checkpoints, in the workdir (coordinator.py).
+_CHECKPOINTS = "coordinator"
+
+
+def _finished_summary(run_config, workdir: str) -> dict | None:
+  """The summary of the run in `workdir` if it finished already: written
+  for this config's rounds, with the last round's checkpoint beside it.
+  (A summary whose goodput is null, as a rerun of a finished run wrote it
+  before that was fixed, is written again.)"""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  rounds = len(round_steps.round_ends(run_config))
+  if (isinstance(summary, dict) and summary.get("rounds") == rounds
+      and summary.get("total_steps") == run_config.config.total_steps
+      and summary.get("goodput") is not None
+      and os.path.isdir(os.path.join(workdir, _CHECKPOINTS, str(rounds)))):
+    return summary
+  return None
 
 
 @dataclasses.dataclass
 class _Tally:
-  """What this run's rounds added up to (island-steps, bytes)."""
+  """What the run's rounds added up to (island-steps, bytes), over every
+  command that ran them: checkpointed with each round."""
   possible: int = 0  # island-steps the rounds' members could have used
   contributed: int = 0  # island-steps whose work reached x
   comm_bytes: int = 0  # what one island sent through the codec
@@ -78,40 +136,62 @@ class _Tally:
     self.ray_bytes += ray_bytes
 
 
+def _restored_tally(coordinator, metrics_path: str) -> _Tally:
+  """The tally of the rounds the coordinator restored: from its
+  checkpoint, or, from a checkpoint written before the tally was kept,
+  the island-steps of their records in metrics.jsonl (the bytes then
+  count from this command on)."""
+  if coordinator.counters is not None:
+    return _Tally(**coordinator.counters["tally"])
+  tally = _Tally()
+  if os.path.exists(metrics_path):
+    with open(metrics_path) as f:
+      for line in f:
+        steps = json.loads(line).get("island_steps") if line.strip() else None
+        if steps:
+          tally.add(steps["run"], steps["applied"], 0, 0)
+  return tally
+
+
 def _train(run_config, settings, coordinator, evaluate, workdir,
            resumed) -> dict:
-  config = run_config.config
   slots = run_config.islands
   # Each round's last step: every H steps, or under streaming each
   # fragment's send (round_steps.py).
   ends = round_steps.round_ends(run_config)
   rounds = len(ends)
   fleet = fleet_lib.Fleet(run_config, settings, workdir)
-  tally = _Tally()
+  members_of = membership.Members(
+      workdir, slots, run_config.diloco.island_schedule, rounds)
+  round_steps_of = speeds.RoundSteps(settings.round_budget)
   start_time = time.monotonic()
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   _keep_records_up_to(metrics_path, coordinator.rounds_done)
+  tally = _restored_tally(coordinator, metrics_path)
+  # Where each island ran last, over the run's commands.
+  nodes = dict((coordinator.counters or {}).get("island_nodes", {}))
   with open(metrics_path, "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
       first_step = ends[round_number - 2] if round_number > 1 else 0
       steps = ends[round_number - 1] - first_step
-      members, problem = membership.members(
-          workdir, slots, run_config.diloco.island_schedule,
-          round_number - 1, rounds)
-      if problem:
+      members, problem = members_of.of_round(round_number - 1)
+      if problem:  # once per bad content of the control file
         logging.warning("%s", problem)
       joined, left = fleet.set_members(members)
-      calls = fleet.start_round(_start_refs(coordinator, members),
-                                round_number, coordinator.data_states,
-                                steps, first_step)
+      starts = _start_refs(coordinator, members)
+      island_steps = round_steps_of.plan(fleet, starts, steps)
+      calls = fleet.start_round(starts, round_number, coordinator.data_states,
+                                steps, first_step, island_steps)
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
       fleet.settle(came_back, included, round_number)
+      round_steps_of.measured(came_back.results)
       # Island-steps this round's calls set out to run, and those whose
       # work reached x (a late result's counted in the round it lands in).
-      run_steps = fleet.new_calls(round_number) * steps
+      run_steps = sum((island_steps or {}).get(i, steps)
+                      for i in fleet.new_calls(round_number))
       applied_steps = sum(len(result["losses"]) for i, result in
                           came_back.results.items() if included[i])
       tally.add(run_steps, applied_steps, coordinator.round_bytes,
@@ -120,9 +200,11 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
                              came_back)
       record.update(members=members, joined=joined, left=left,
                     island_steps={"run": run_steps, "applied": applied_steps},
-                    stale={i: round_number - result["round"] for i, result
-                           in came_back.results.items()
-                           if included[i] and result["round"] < round_number})
+                    seconds_per_step={i: round(s, 6) for i, s in
+                                      round_steps_of.seconds_per_step.items()},
+                    # Which process each member is: pid, host, IP, Ray
+                    # node, restarts.
+                    processes=fleet.processes)
       if round_number == rounds:
         # The mean still in flight applied, or eager islands settled,
         # before the last round's eval (as the SPMD runs do); checkpointed
@@ -136,27 +218,38 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       # between drops the records of rounds it did not checkpoint.
       metrics.write(json.dumps(record) + "\n")
       metrics.flush()
+      nodes.update({str(i): node for i, node in fleet.nodes.items()})
+      coordinator.counters = {"tally": dataclasses.asdict(tally),
+                              "island_nodes": nodes}
       coordinator.save()
-  summary = {
-      "total_steps": config.total_steps, "rounds": coordinator.rounds_done,
+  summary = _summary(run_config, coordinator, evaluate, resumed, tally,
+                     nodes, time.monotonic() - start_time)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _summary(run_config, coordinator, evaluate, resumed, tally: _Tally,
+             nodes: dict, seconds: float) -> dict:
+  """The run's summary.json."""
+  return {
+      "total_steps": run_config.config.total_steps,
+      "rounds": coordinator.rounds_done,
       "final_eval_loss": evaluate(coordinator.x),
       "resumed": resumed,
-      # Island-steps whose work reached x, of those possible, this run.
+      # Island-steps whose work reached x, of those the rounds' calls set
+      # out to run, over the whole run (every command's rounds).
       "goodput": (tally.contributed / tally.possible if tally.possible
                   else None),
       # Where each island's data stream stands: after the batches it
       # contributed, none it trained in a round it was left out of.
       "data_states": coordinator.data_states,
-      # What one island sent through the codec this run, counted as the
-      # SPMD runs count it, and what all islands sent through Ray.
+      # What one island sent through the codec over the run, counted as
+      # the SPMD runs count it, and what all islands sent through Ray.
       "comm_bytes": tally.comm_bytes, "ray_bytes": tally.ray_bytes,
       # Where each island ran last (Ray node ids).
-      "island_nodes": {str(i): node
-                       for i, node in sorted(fleet.nodes.items())},
-      "wall_seconds": round(time.monotonic() - start_time, 3)}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  return summary
+      "island_nodes": dict(sorted(nodes.items(), key=lambda n: int(n[0]))),
+      "wall_seconds": round(seconds, 3)}
 
 
 def _start_refs(coordinator, members: list[int]) -> dict:
@@ -199,7 +292,14 @@ def _round_record(round_number: int, step: int, included: np.ndarray,
       "failed": came_back.failed, "late": came_back.late,
       "round_seconds": round(came_back.seconds, 3),
       "train_loss": (float(np.mean([r["losses"][-1] for r in results]))
-                     if results else None)}
+                     if results else None),
+      # Inner steps each result trained (under round_budget 'time' its
+      # own), and how many rounds old each applied late one was.
+      "steps_taken": {i: len(r["losses"])
+                      for i, r in came_back.results.items()},
+      "stale": {i: round_number - r["round"]
+                for i, r in came_back.results.items()
+                if included[i] and r["round"] < round_number}}
   logging.info("round %d: islands %s took part%s%s", round_number,
                record["included"],
                f"; failed {sorted(came_back.failed)}" if came_back.failed

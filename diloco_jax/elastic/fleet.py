@@ -1,14 +1,18 @@
 """The islands' processes of an elastic run, and what the driver keeps of
-each between rounds: which died (its next call waits for Ray's restart),
-which is still training an earlier round (kept for the staleness rule),
-whether its last result reached x (its error-feedback residual moves on
-only then), and the Ray node it runs on.
+each between rounds: which died (its next call waits for Ray's restart,
+whether it died during its call or just after it sent its result), which
+is still training an earlier round (kept for the staleness rule), whether
+its last result reached x (its error-feedback residual moves on only
+then), and which process it is (its pid, host and Ray node, how often Ray
+restarted it).
 """
 
 import os
 
+from absl import logging
 import numpy as np
 import ray
+import ray.exceptions
 
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.elastic import island as island_lib
@@ -24,10 +28,16 @@ class Fleet:
     self._launch = _launcher(run_config, settings, workdir)
     self._stale_rounds = settings.stale_rounds
     self._programs = {}  # slot -> its process's actor
-    self._rejoining = set()  # islands whose process died last round
+    self._rejoining = set()  # islands whose call failed last round
+    # island -> how often Ray had restarted its actor at its last answer
+    self._restarts = {}
     self._in_flight = {}  # island -> (its late call, the round it trains)
     self._applied = {}  # island -> whether its last result reached x
     self.nodes = {}  # island -> the Ray node its last result came from
+    self._pids = {}  # island -> the process id last recorded
+    # island -> which process it is, as of the last round's close
+    self.processes = {}
+    self._hosts = {}  # Ray node id -> its host name
     self.calls = {}  # this round's calls: ObjectRef -> island
     self._started = {}  # ObjectRef -> the round its call trains
 
@@ -40,41 +50,122 @@ class Fleet:
     for i in left:
       ray.kill(self._programs.pop(i))
       self._rejoining.discard(i)
+      self._restarts.pop(i, None)
+      self._pids.pop(i, None)
       self._in_flight.pop(i, None)
     for i in joined:
       self._programs[i] = self._launch(i)
     return joined, left
 
   def start_round(self, starts: dict, round_number: int, data_states: list,
-                  steps: int, first_step: int) -> dict:
+                  steps: int, first_step: int,
+                  island_steps: dict[int, int] | None = None) -> dict:
     """This round's calls (ObjectRef -> island): a new one per member
     from its start (`starts`: island -> the params it starts from), for
-    `steps` inner steps after the run's `first_step`, but for an island
-    still training an earlier round, whose late result counts in this
-    one."""
+    `steps` inner steps after the run's `first_step` (with `island_steps`,
+    a time-budgeted round's, each island's own count, its schedule at the
+    run's step), but for an island still training an earlier round,
+    whose late result counts in this one."""
     self.calls = {ref: i for i, (ref, _) in self._in_flight.items()}
     self._started = {ref: r for ref, r in self._in_flight.values()}
     for i in self._programs:
       if i not in self._in_flight:
-        ref = _train_call(self._programs[i], i in self._rejoining).remote(
-            starts[i], round_number, data_states[i], steps,
-            self._applied.get(i, False), first_step)
+        ref = _train_call(self._programs[i], self._restarting(i)).remote(
+            starts[i], round_number, data_states[i],
+            steps if island_steps is None else island_steps.get(i, steps),
+            self._applied.get(i, False), first_step,
+            island_steps is not None)
         self.calls[ref], self._started[ref] = i, round_number
     return self.calls
 
-  def new_calls(self, round_number: int) -> int:
-    """How many of this round's calls started in it."""
-    return sum(r == round_number for r in self._started.values())
+  def measure_step_seconds(self, starts: dict) -> dict[int, float]:
+    """island -> its seconds per inner step, each member timed on its own
+    (speeds.py: a time-budgeted run's first round); an island whose
+    process fails it is left out. Twice, the first discarded: the
+    islands compile their steps at once, and a step timed while another
+    island compiles beside it would be slowed by that."""
+    measured = {}
+    for _ in range(2):
+      refs = {self._programs[i].measure_step_seconds.remote(starts[i]): i
+              for i in self._programs}
+      measured = {}
+      for ref, i in refs.items():
+        try:
+          seconds = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+          continue
+        if seconds is not None:
+          measured[i] = seconds
+    return measured
+
+  def new_calls(self, round_number: int) -> list[int]:
+    """The islands whose calls of this round started in it."""
+    return [self.calls[ref] for ref, r in self._started.items()
+            if r == round_number]
+
+  def _restarting(self, i: int) -> bool:
+    """Whether island i's process died since its last answer: its call
+    failed last round, or Ray is restarting its process or restarted it
+    since (killed just after it sent its result)."""
+    if i in self._rejoining:
+      return True
+    actor = _actor_table(self._programs[i])
+    restarts = actor.get("NumRestarts")
+    return actor.get("State") == "RESTARTING" or (
+        restarts is not None and restarts > self._restarts.get(i, 0))
+
+  def _identify(self, came_back: quorum.RoundResults) -> dict:
+    """island -> which process it is, for each member: its "pid", "host"
+    (name), "ip", "node" (Ray's node id) and "restarts". The process that
+    trained the island's result of this round, or for a member without one
+    (its call failed or is late) the one Ray has for it at the round's
+    close (pid None while Ray restarts it). restarts: how often Ray has
+    restarted the member's actor (a slot that joins again gets a new
+    actor, counted from 0; None where Ray does not say). A process new to
+    an island is said in the log."""
+    processes = {}
+    for i, program in self._programs.items():
+      actor = _actor_table(program)
+      result = came_back.results.get(i)
+      if result is not None and "process" in result:
+        process = dict(result["process"])
+      else:
+        address = actor.get("Address") or {}
+        process = {"pid": (actor.get("Pid") or None
+                           if actor.get("State") == "ALIVE" else None),
+                   "host": self._host(address.get("NodeID")),
+                   "ip": address.get("IPAddress"),
+                   "node": address.get("NodeID")}
+      process["restarts"] = actor.get("NumRestarts")
+      if result is not None and process["restarts"] is not None:
+        self._restarts[i] = process["restarts"]
+      if process["pid"] is not None and process["pid"] != self._pids.get(i):
+        self._pids[i] = process["pid"]
+        logging.info("island %d: process %s on %s (%s, Ray node %s), "
+                     "restarted %s times", i, process["pid"],
+                     process["host"], process["ip"], process["node"],
+                     process["restarts"])
+      processes[i] = process
+    return processes
+
+  def _host(self, node: str | None) -> str | None:
+    """The host name of Ray node `node` (None if Ray does not know it)."""
+    if node and node not in self._hosts:
+      self._hosts.update({n["NodeID"]: n.get("NodeManagerHostname")
+                          for n in ray.nodes()})
+    return self._hosts.get(node)
 
   def settle(self, came_back: quorum.RoundResults, included: np.ndarray,
              round_number: int) -> None:
-    """What the round's close tells each island's next call."""
+    """What the round's close tells each island's next call, and which
+    process each member is (`processes`)."""
     self._rejoining = set(came_back.failed)
     for i, result in came_back.results.items():
       self._applied[i] = bool(included[i])
       self.nodes[i] = result["node"]
     for i in (*came_back.failed, *came_back.late):
       self._applied[i] = False
+    self.processes = self._identify(came_back)
     # A late call is kept while its result could still be applied.
     self._in_flight = {
         self.calls[ref]: (ref, self._started[ref])
@@ -92,6 +183,10 @@ def _launcher(run_config, settings, workdir):
     kill_steps[island][round_number] = int(np.random.default_rng(
         [config.seed, island, round_number]).integers(
             run_config.diloco.inner_steps))
+  # Rounds after whose result the island's process is killed (tests).
+  kill_after = [[] for _ in range(run_config.islands)]
+  for island, round_number in settings.kill_after:
+    kill_after[island].append(round_number)
   slow_rounds = [{} for _ in range(run_config.islands)]
   for island, round_number in settings.slow_islands:
     slow_rounds[island][round_number] = settings.slow_seconds
@@ -101,8 +196,10 @@ def _launcher(run_config, settings, workdir):
   actor = ray.remote(num_cpus=0, max_restarts=settings.max_restarts,
                      max_task_retries=0, scheduling_strategy="SPREAD",
                      **_resources(config))(island_lib.IslandProgram)
+  speeds = settings.speeds or (1.0,) * run_config.islands
   return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
-                                slow_rounds[i])
+                                slow_rounds[i], speeds[i],
+                                kill_after=tuple(kill_after[i]))
 
 
 def _resources(config) -> dict:
@@ -118,11 +215,26 @@ def _resources(config) -> dict:
   return {"runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags.strip()}}}
 
 
-def _train_call(program, rejoining: bool):
+def _train_call(program, restarting: bool):
   """The island's train_round method for this round's call. An island
-  whose process died is being restarted by Ray: its call waits for the
-  restart (the round's quorum and grace window still decide whether it is
-  in time); any other island's call fails at once if its process dies,
-  leaving it out of the round."""
+  whose process died (during its last call, or just after it sent its
+  result) is being restarted by Ray: its call waits for the restart (the
+  round's quorum and grace window still decide whether it is in time;
+  sent with no retry, a call to a process being restarted fails at once,
+  ActorUnavailableError, and the island would miss one more round); any
+  other island's call fails at once if its process dies, leaving it out
+  of the round."""
   return program.train_round.options(
-      max_task_retries=-1 if rejoining else 0)
+      max_task_retries=-1 if restarting else 0)
+
+
+def _actor_table(program) -> dict:
+  """Ray's record of an island's actor (its state, process id, node and
+  restart count; from Ray's developer API), or {} where Ray does not
+  say."""
+  try:
+    from ray._private import state  # pylint: disable=import-outside-toplevel
+    actor_id = program._actor_id.hex()  # pylint: disable=protected-access
+    return state.actors(actor_id) or {}
+  except Exception:  # pylint: disable=broad-except
+    return {}

@@ -24,8 +24,11 @@ a new process) starts from x, as a restarted one does.
 import dataclasses
 import functools
 import os
+import json
 import pathlib
 import signal
+import socket
+import threading
 import time
 
 import jax
@@ -40,6 +43,7 @@ from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import payloads
 from diloco_jax.elastic import round_steps
+from diloco_jax.elastic import speeds
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.run import setup as setup_lib
@@ -58,15 +62,23 @@ class IslandProgram:
       benchmarks of failures).
     slow_rounds: {1-based round: seconds}: this island sleeps that long
       before that round's first step (a straggler).
+    speed: this island's every inner step takes 1/speed as long
+      (speeds.py: islands of unequal speeds, in tests and benchmarks).
+    kill_after: rounds (1-based) right after whose result this island's
+      process kills itself, once per run (tests of a restart between
+      rounds).
   """
 
   def __init__(self, run_config: run_config_lib.RunConfig, island: int,
                workdir: str, kill_steps: dict[int, int] | None = None,
-               slow_rounds: dict[int, float] | None = None):
+               slow_rounds: dict[int, float] | None = None,
+               speed: float = 1.0, kill_after: tuple[int, ...] = ()):
     config = run_config.config
     self.island = island
+    self._speed = speed
     self._kill_steps = kill_steps or {}
     self._slow_rounds = slow_rounds or {}
+    self._kill_after = set(kill_after)
     self._workdir = pathlib.Path(workdir)
     # One island's state: no codec state or residuals (the coordinator
     # keeps those), the run's mesh inside the island (data devices, FSDP,
@@ -103,12 +115,16 @@ class IslandProgram:
 
   def train_round(self, x, round_number: int, data_state: dict | None,
                   steps: int, last_applied: bool = False,
-                  first_step: int | None = None) -> dict:
+                  first_step: int | None = None,
+                  schedule_at_run_step: bool = False) -> dict:
     """`steps` inner steps from x, on the batches after `data_state` (None:
     the stream's start). `last_applied`: whether this island's previous
     result reached x (its error-feedback residual then moves on; under
     streaming it trains on from its own params). `first_step`: the run's
     steps before the round (default: round_number - 1 rounds of H).
+    `schedule_at_run_step`: the learning rate schedule counted from
+    `first_step`, not from this island's own steps (a time-budgeted
+    round's slower islands take fewer, speeds.py).
 
     Returns what the island sends (its params y, or with a dense codec
     that compresses, its encoded pseudo-gradient: host arrays; under
@@ -130,8 +146,12 @@ class IslandProgram:
                                                     first_step))
     else:
       self._state = self._state.replace(island_params=self._island_params(x))
+    if schedule_at_run_step:
+      self._state = self._state.replace(inner_opt_state=(
+          optimizers.with_step_counts(self._state.inner_opt_state,
+                                      first_step)))
     time.sleep(self._slow_rounds.get(round_number, 0))
-    losses = []
+    losses, step_seconds = [], []
     for step in range(steps):
       if min(self._kill_steps.get(round_number, -1), steps - 1) == step:
         marker = (self._workdir
@@ -139,12 +159,18 @@ class IslandProgram:
         if not marker.exists():  # once: not again after the restart
           marker.touch()
           os.kill(os.getpid(), signal.SIGKILL)
+      step_started = time.monotonic()
       batch = jax.device_put(self._batches.next_batch(), self._batch_sharding)
       self._state, metrics = self._inner_step(self._state, batch)
-      losses.append(metrics["loss"])
+      # Waited for, so that the step's time is its own.
+      losses.append(jax.block_until_ready(metrics["loss"]))
       if self._streaming:
         self._merge(x, round_steps.merges_before_sends(
             self._schedule, first_step + step + 1))
+      speeds.slow_down(self._speed, time.monotonic() - step_started)
+      step_seconds.append(time.monotonic() - step_started)
+    if round_number in self._kill_after:
+      self._kill_when_recorded(round_number)
     return {
         "island": self.island, "round": round_number,
         **self._sent(x, self._params(self._state.island_params),
@@ -152,9 +178,51 @@ class IslandProgram:
         "data_state": self._batches.state(),
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
         "tokens": steps * self.tokens_per_step, "share": self.share,
+        "step_seconds": speeds.typical_step_seconds(step_seconds),
+        # Which process this is (its pid, host, IP and Ray node).
+        "process": _process(),
         # The Ray node it runs on (None outside Ray: tests call it).
         "node": (ray.get_runtime_context().get_node_id()
                  if ray.is_initialized() else None)}
+
+  def _kill_when_recorded(self, round_number: int) -> None:
+    """Tests: SIGKILLs this process once per run, right after its result
+    of `round_number` reached the coordinator (once the round's record is
+    in WORKDIR/metrics.jsonl, on the coordinator's host) and before the
+    coordinator sends its next call."""
+    marker = (self._workdir
+              / f"killed_island_{self.island}_after_round_{round_number}")
+    if marker.exists():  # once: not again after the restart
+      return
+    marker.touch()
+    metrics = self._workdir / "metrics.jsonl"
+
+    def kill():
+      deadline = time.monotonic() + 600
+      while (time.monotonic() < deadline
+             and not _recorded(metrics, round_number)):
+        time.sleep(0.005)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+  def measure_step_seconds(self, x, steps: int = 3) -> float | None:
+    """This island's seconds per inner step (its speed knob included),
+    timed on a throwaway state from x and the stream's next batch, which
+    stays next: what a time-budgeted run's first round is sized by. The
+    first step compiles the inner step, which the rounds then reuse."""
+    position = self._batches.state()
+    batch = jax.device_put(self._batches.next_batch(), self._batch_sharding)
+    self._batches.restore(position)
+    state = self._fresh_state(x, 0)
+    times = []
+    for _ in range(steps):
+      started = time.monotonic()
+      state, metrics = self._inner_step(state, batch)
+      jax.block_until_ready(metrics["loss"])
+      speeds.slow_down(self._speed, time.monotonic() - started)
+      times.append(time.monotonic() - started)
+    return speeds.typical_step_seconds(times[1:])  # the first compiles
 
   def _merge(self, x, fragments) -> None:
     """The outer object's merge of each of `fragments` from x into this
@@ -281,3 +349,28 @@ class IslandProgram:
           out_shardings=shardings.island_params)
                       for p in range(outer.overlap.num_fragments)]
     self._params = jax.jit(params)
+
+
+def _process() -> dict:
+  """Which process this is: its pid, host name, and under Ray its node's
+  IP and id (None outside Ray: tests call islands directly)."""
+  under_ray = ray.is_initialized()
+  return {"pid": os.getpid(), "host": socket.gethostname(),
+          "ip": ray.util.get_node_ip_address() if under_ray else None,
+          "node": (ray.get_runtime_context().get_node_id() if under_ray
+                   else None)}
+
+
+def _recorded(metrics: pathlib.Path, round_number: int) -> bool:
+  """Whether the run's metrics.jsonl has the record of `round_number`."""
+  try:
+    lines = metrics.read_text().splitlines()
+  except OSError:
+    return False
+  for line in lines:
+    try:
+      if json.loads(line).get("round") == round_number:
+        return True
+    except (ValueError, AttributeError):  # a line being written
+      pass
+  return False

@@ -6,6 +6,7 @@ r"""Changes which islands train in a running elastic run, from its next round:
 A slot that joins starts a process and trains from the next round's x; one
 that leaves has its process ended after its round; `schedule` hands the
 membership back to config.diloco.island_schedule (every slot by default).
+The slots are checked by membership.parse, as the run checks the file.
 """
 
 import json
@@ -29,7 +30,9 @@ def main(argv):
   config_file = pathlib.Path(_WORKDIR.value) / "config.json"
   try:
     slots = json.loads(config_file.read_text())["diloco"]["islands"]
-  except (OSError, ValueError, KeyError) as error:
+    if type(slots) is not int or slots < 1:
+      raise ValueError(f"config.diloco.islands={slots!r}")
+  except (OSError, ValueError, KeyError, TypeError) as error:
     raise SystemExit(f"error: --workdir={_WORKDIR.value!r} is not an "
                      f"elastic run's directory ({error})") from None
   if _ISLANDS.value == "schedule":

@@ -8,6 +8,7 @@ import socket
 from diloco_jax.algorithm import participation
 from diloco_jax.config import problems as problems_lib
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.elastic import speeds as speeds_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,13 @@ class ElasticSettings:
       `slow_seconds` before that round's first step (a straggler).
     stale_rounds: how many rounds late an island's result may arrive and
       still be applied (0: a late result is dropped).
+    round_budget: 'steps' (H inner steps per island a round) or 'time'
+      (the fastest island's H steps' time; speeds.py).
+    kill_after: (island, 1-based round) pairs: that island's process
+      kills itself once right after its result of that round reached the
+      coordinator (tests: config.testing.kill_island's 'ISLAND@ROUND:after').
+    speeds: per island, the factor its steps are slowed by (tests,
+      benchmarks; all 1.0 normally).
   """
   min_islands: int
   grace_seconds: float
@@ -32,6 +40,9 @@ class ElasticSettings:
   slow_islands: tuple[tuple[int, int], ...] = ()
   slow_seconds: float = 0.0
   stale_rounds: int = 0
+  round_budget: str = "steps"
+  speeds: tuple[float, ...] = ()
+  kill_after: tuple[tuple[int, int], ...] = ()
 
 
 # (setting, the value elastic islands need, why) for what they do not run
@@ -104,15 +115,48 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
   if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
     raise problems_lib.ConfigError(
         f"config.elastic.stale_rounds={stale!r} must be a whole number >= 0")
-  kill = _islands_at(config.testing.kill_island, "kill_island", islands)
+  kill, kill_after = _kills(config.testing.kill_island, islands)
   slow = _islands_at(config.testing.slow_island, "slow_island", islands)
   slow_seconds = config.testing.slow_seconds
   if slow and not (isinstance(slow_seconds, (int, float))
                    and slow_seconds >= 0):
     raise problems_lib.ConfigError(
         f"config.testing.slow_seconds={slow_seconds!r} must be >= 0")
+  if elastic.round_budget not in speeds_lib.ROUND_BUDGETS:
+    raise problems_lib.ConfigError(
+        f"config.elastic.round_budget={elastic.round_budget!r} is not one "
+        f"of {speeds_lib.ROUND_BUDGETS}")
+  if elastic.round_budget == "time" and run_config.streaming:
+    raise problems_lib.ConfigError(
+        "config.elastic.round_budget='time' with config.diloco.fragments="
+        f"{run_config.diloco.fragments}: Streaming DiLoCo's rounds end at its "
+        "fragments' sends, on the schedule's steps "
+        "(config.elastic.round_budget='steps')")
+  try:
+    speeds = speeds_lib.parse_speeds(config.testing.island_speeds, islands)
+  except ValueError as error:
+    raise problems_lib.ConfigError(
+        f"config.testing.island_speeds: {error}") from None
   return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
-                         float(slow_seconds), stale)
+                         float(slow_seconds), stale, elastic.round_budget,
+                         speeds, kill_after=kill_after)
+
+
+def _kills(spec: str, islands: int) -> tuple[tuple[tuple[int, int], ...],
+                                             tuple[tuple[int, int], ...]]:
+  """config.testing.kill_island's (island, round) pairs: those killed
+  during the round ('ISLAND@ROUND'), and those killed right after their
+  result of the round reached the coordinator ('ISLAND@ROUND:after')."""
+  during, after = [], []
+  for entry in spec.split(","):
+    at, _, when = entry.partition(":")
+    if when.strip() not in ("", "after"):
+      raise problems_lib.ConfigError(
+          f"config.testing.kill_island: {entry.strip()!r} is not "
+          "'ISLAND@ROUND' or 'ISLAND@ROUND:after'")
+    (after if when.strip() else during).append(at)
+  return (_islands_at(",".join(during), "kill_island", islands),
+          _islands_at(",".join(after), "kill_island", islands))
 
 
 def _islands_at(spec: str, name: str,

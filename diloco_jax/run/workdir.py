@@ -39,7 +39,8 @@ RUN_FILES = ("metrics.jsonl", "summary.json")
 # Every name the run creates or replaces in its workdir (orbax writes under
 # checkpoints/, tensorboardX under tensorboard/).
 OWN_NAMES = (LOCK_FILE, *RUN_FILES, "config.json", "checkpoints",
-             "checkpoints.unreadable", "tensorboard", "pretrain")
+             "checkpoints.unreadable", "tensorboard", "pretrain",
+             "coordinator")  # (an elastic run's checkpoints)
 
 
 class WorkdirError(ValueError):
@@ -242,7 +243,8 @@ def _remove_empty_directories(workdir: str) -> None:
     os.rmdir(workdir)
 
 
-def _check_path(workdir) -> tuple[str, bool]:
+def _check_path(workdir, checkpoints: str = "checkpoints"
+                ) -> tuple[str, bool]:
   """(the absolute workdir, whether it was created now)."""
   if not isinstance(workdir, str) or not workdir.strip():
     raise WorkdirError(f"--workdir={workdir!r}: give a directory for the "
@@ -259,7 +261,7 @@ def _check_path(workdir) -> tuple[str, bool]:
                        f"{e.strerror}") from None
   # access(2) also answers for read-only file systems.
   for path in (workdir, *(os.path.join(workdir, name)
-                          for name in ("checkpoints", "tensorboard"))):
+                          for name in (checkpoints, "tensorboard"))):
     if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
       raise WorkdirError(f"--workdir={workdir}: {path} is not writable ("
                          + os.strerror(_write_errno(path)) + ")")
@@ -283,9 +285,9 @@ def _check_own_names(workdir: str) -> None:
       raise WorkdirError(f"--workdir={workdir}: {e}") from None
 
 
-def _check_outputs(workdir: str) -> None:
+def _check_outputs(workdir: str, checkpoints: str = "checkpoints") -> None:
   """Refuses a workdir holding run outputs that cannot be resumed."""
-  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+  if os.path.isdir(os.path.join(workdir, checkpoints)):
     return
   for name in RUN_FILES:
     if os.path.exists(os.path.join(workdir, name)):
@@ -294,13 +296,16 @@ def _check_outputs(workdir: str) -> None:
           "from; choose a new workdir or delete that one")
 
 
-def claim(workdir: str, lock: bool = True) -> Claim:
+def claim(workdir: str, lock: bool = True,
+          checkpoints: str = "checkpoints") -> Claim:
   """Checks `workdir`, creates it, and locks it for this run.
 
   Args:
     workdir: the run's output directory (created if missing).
     lock: take the lock (False on the processes of a multi-host run other
       than process 0, which write nothing there).
+    checkpoints: the directory of the workdir that holds the run's
+      checkpoints ("coordinator" for an elastic run's coordinator).
 
   Returns:
     The Claim; release it when the run ends (the lock is also released
@@ -311,7 +316,7 @@ def claim(workdir: str, lock: bool = True) -> Claim:
       holds outputs without checkpoints or a symlink where the run keeps its
       own file, or another run holds the lock.
   """
-  workdir, created = _check_path(workdir)
+  workdir, created = _check_path(workdir, checkpoints)
   try:
     _check_own_names(workdir)
     held = Claim(workdir, WorkdirLock(workdir) if lock else None, created)
@@ -319,7 +324,7 @@ def claim(workdir: str, lock: bool = True) -> Claim:
     _remove_if_created_empty(workdir, created)
     raise
   try:
-    _check_outputs(workdir)
+    _check_outputs(workdir, checkpoints)
   except WorkdirError:
     held.release()
     raise

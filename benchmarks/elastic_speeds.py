@@ -1,0 +1,158 @@
+r"""Elastic islands of unequal speeds: compute used, wall time and loss (root).
+
+  sudo .venv/bin/python benchmarks/elastic_speeds.py \
+      [--config=configs/default.py] [--speeds=1,1,0.5,0.25] \
+      [--extra_flags=--config.total_steps=120] [--out=res.json]
+
+Runs `python -m diloco_jax.elastic` on the config, each run in a network
+namespace of its own with loopback only (netns.py; removed after the
+run), its islands slowed by config.testing.island_speeds (each island's
+every inner step takes 1/speed as long):
+
+  wait     rounds of H steps that wait for every island (the slowest sets
+           each round's length).
+  quorum   rounds of H steps that close once the islands but the slowest
+           two have sent (config.elastic.min_islands = k - 2, no grace):
+           the slow islands' results come late and are dropped.
+  time     rounds budgeted in time (config.elastic.round_budget='time'):
+           each island takes as many steps as fit in the fastest's H,
+           weighted by its tokens.
+  equal    every island at full speed, config.total_steps set so that the
+           run trains the tokens the 'time' run trained.
+
+Per run the table gives: compute used, the island-steps run over the
+island-steps the islands could have run in the rounds' time (island i:
+the rounds' seconds over its measured seconds per step, from
+metrics.jsonl; the time between rounds, the coordinator's step, evals and
+checkpoints, is left out of both, and so is the first round, where the
+islands compile their steps); island-steps run and applied (those whose work
+reached x); tokens trained; wall s (the command's, Ray's start-up and the
+compiles included); the final eval loss and its difference from the
+'equal' run's.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO / "benchmarks"))
+import netns  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_CONFIG = flags.DEFINE_string("config", "configs/default.py",
+                              "The config file to run.")
+_SPEEDS = flags.DEFINE_string("speeds", "1,1,0.5,0.25",
+                              "Each island's speed (its config.diloco.islands "
+                              "is their count).")
+_EXTRA = flags.DEFINE_list("extra_flags", [],
+                           "More --config.* flags for every run.")
+_OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
+
+
+def _run(name: str, run_flags: list[str]) -> dict:
+  """One elastic run in a namespace of its own: its records and summary."""
+  workdir = tempfile.mkdtemp(prefix=f"speeds_{name}_")
+  with netns.LoopbackNamespace() as namespace:
+    command = namespace.command(
+        sys.executable, "-m", "diloco_jax.elastic",
+        f"--config={_REPO / _CONFIG.value}", f"--workdir={workdir}",
+        *_EXTRA.value, *run_flags)
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(_REPO)})
+    wall = time.monotonic() - started
+    namespace.kill_everything()
+  if done.returncode:
+    raise RuntimeError(f"{name}: exit {done.returncode}\n"
+                       f"{done.stderr[-3000:]}")
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  return {"name": name, "records": records, "summary": summary,
+          "wall_s": wall}
+
+
+def _row(run: dict, tokens_per_step: int) -> dict:
+  """The table's figures of one run."""
+  records = run["records"]
+  # The first round compiles the islands' steps (but under 'time', whose
+  # islands compile while timed before it): left out of compute used.
+  timed = records[1:]
+  round_seconds = sum(r["round_seconds"] for r in timed)
+  speed = records[-1]["seconds_per_step"]  # island -> s per step
+  possible = sum(round_seconds / s for s in speed.values())
+  run_steps = sum(r["island_steps"]["run"] for r in timed)
+  applied = sum(r["island_steps"]["applied"] for r in records)
+  return {"run": run["name"],
+          "compute_used": run_steps / possible,
+          "island_steps_run": sum(r["island_steps"]["run"] for r in records),
+          "island_steps_applied": applied,
+          "tokens": applied * tokens_per_step,
+          "round_seconds": round(round_seconds, 1),
+          "wall_s": round(run["wall_s"], 1),
+          "final_eval_loss": run["summary"]["final_eval_loss"]}
+
+
+def main(argv):
+  del argv
+  speeds = _SPEEDS.value
+  islands = len(speeds.split(","))
+  sys.path.insert(0, str(_REPO))
+  spec = importlib.util.spec_from_file_location("config",
+                                                _REPO / _CONFIG.value)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for flag in _EXTRA.value:  # the token count of a step, as the runs see it
+    name, value = flag.removeprefix("--config.").split("=", 1)
+    if name in ("data.batch_size", "data.sequence_length",
+                "diloco.inner_steps"):
+      section, leaf = name.split(".")
+      config[section][leaf] = int(value)
+  tokens_per_step = config.data.batch_size * config.data.sequence_length
+  common = [f"--config.diloco.islands={islands}"]
+  slowed = [*common, f"--config.testing.island_speeds={speeds}"]
+  runs = [
+      _run("wait", slowed),
+      _run("quorum", [*slowed,
+                      f"--config.elastic.min_islands={max(1, islands - 2)}",
+                      "--config.elastic.grace_seconds=0"]),
+      _run("time", [*slowed, "--config.elastic.round_budget=time"]),
+  ]
+  rows = [_row(run, tokens_per_step) for run in runs]
+  # The equal islands train the 'time' run's tokens: total steps of k
+  # islands at H each, whole rounds.
+  time_tokens = rows[-1]["tokens"]
+  inner_steps = config.diloco.inner_steps
+  total_steps = inner_steps * max(1, round(
+      time_tokens / (tokens_per_step * islands * inner_steps)))
+  rows.append(_row(_run("equal", [*common,
+                                  f"--config.total_steps={total_steps}"]),
+                   tokens_per_step))
+  equal_loss = rows[-1]["final_eval_loss"]
+  print(f"{'run':8} {'compute used':>12} {'steps run':>9} "
+        f"{'applied':>8} {'tokens':>9} {'rounds s':>9} {'wall s':>7} "
+        f"{'eval loss':>9} {'vs equal':>8}")
+  for row in rows:
+    row["loss_vs_equal"] = row["final_eval_loss"] / equal_loss - 1
+    print(f"{row['run']:8} {row['compute_used']:12.3f} "
+          f"{row['island_steps_run']:9d} {row['island_steps_applied']:8d} "
+          f"{row['tokens']:9d} {row['round_seconds']:9.1f} "
+          f"{row['wall_s']:7.1f} {row['final_eval_loss']:9.4f} "
+          f"{row['loss_vs_equal']:+8.2%}")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
