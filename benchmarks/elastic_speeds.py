@@ -17,18 +17,26 @@ every inner step takes 1/speed as long):
   time     rounds budgeted in time (config.elastic.round_budget='time'):
            each island takes as many steps as fit in the fastest's H,
            weighted by its tokens.
-  equal    every island at full speed, config.total_steps set so that the
-           run trains the tokens the 'time' run trained.
+  equal    every island at the fastest's speed, config.total_steps set
+           so that the run trains the tokens the 'time' run trained.
+           (The 'wait' run computes what equal islands compute at the
+           config's own steps: the knob slows, it changes no number.)
 
-Per run the table gives: compute used, the island-steps run over the
-island-steps the islands could have run in the rounds' time (island i:
-the rounds' seconds over its measured seconds per step, from
-metrics.jsonl; the time between rounds, the coordinator's step, evals and
-checkpoints, is left out of both, and so is the first round, where the
-islands compile their steps); island-steps run and applied (those whose work
-reached x); tokens trained; wall s (the command's, Ray's start-up and the
-compiles included); the final eval loss and its difference from the
-'equal' run's.
+On one machine the islands share its cores, so each island's speed is
+the knob's times what the others leave it: give speeds whose sum fits
+the cores (on 2 cores, 0.5,0.5,0.25,0.125 for islands at 1, 1, 0.5 and
+0.25 of the fastest) so that the islands' ratios hold.
+
+Per run the table gives: compute used, the island-steps whose work
+reached x over those the islands could have run in the rounds' time
+(island i: the rounds' seconds over its seconds per step measured in that
+run, from metrics.jsonl; the time between rounds, the coordinator's step,
+evals and checkpoints, is left out, and so is the first round, where the
+islands compile their steps); the same with the island-steps run (the
+quorum run's late results are run and dropped); island-steps run and
+applied; tokens trained (applied); wall s (the command's, Ray's start-up
+and the compiles included); the final eval loss and its difference from
+the 'equal' run's and from the 'wait' run's.
 """
 
 import importlib.util
@@ -42,6 +50,7 @@ import time
 
 from absl import app
 from absl import flags
+import numpy as np
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO / "benchmarks"))
@@ -55,6 +64,8 @@ _SPEEDS = flags.DEFINE_string("speeds", "1,1,0.5,0.25",
 _EXTRA = flags.DEFINE_list("extra_flags", [],
                            "More --config.* flags for every run.")
 _OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
+_RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "equal"],
+                          "Which runs ('equal' needs 'time').")
 
 
 def _run(name: str, run_flags: list[str]) -> dict:
@@ -81,19 +92,30 @@ def _run(name: str, run_flags: list[str]) -> dict:
           "wall_s": wall}
 
 
-def _row(run: dict, tokens_per_step: int) -> dict:
-  """The table's figures of one run."""
+def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
+  """The table's figures of one run (`knob`: its islands' speeds)."""
   records = run["records"]
   # The first round compiles the islands' steps (but under 'time', whose
   # islands compile while timed before it): left out of compute used.
   timed = records[1:]
   round_seconds = sum(r["round_seconds"] for r in timed)
-  speed = records[-1]["seconds_per_step"]  # island -> s per step
+  # island -> its median seconds per step over the timed rounds.
+  speed = {int(i): float(np.median([r["seconds_per_step"][i] for r in timed
+                                    if i in r["seconds_per_step"]]))
+           for i in records[-1]["seconds_per_step"]}
+  # An island with no result to time (the quorum run's slow ones): the
+  # fastest measured one's time, scaled by the knobs.
+  fastest = min(speed, key=speed.get)
+  for i, factor in enumerate(knob):
+    speed.setdefault(i, speed[fastest] * knob[fastest] / factor)
   possible = sum(round_seconds / s for s in speed.values())
   run_steps = sum(r["island_steps"]["run"] for r in timed)
   applied = sum(r["island_steps"]["applied"] for r in records)
   return {"run": run["name"],
-          "compute_used": run_steps / possible,
+          "compute_used": sum(r["island_steps"]["applied"]
+                              for r in timed) / possible,
+          "compute_run": run_steps / possible,
+          "seconds_per_step": speed,
           "island_steps_run": sum(r["island_steps"]["run"] for r in records),
           "island_steps_applied": applied,
           "tokens": applied * tokens_per_step,
@@ -121,34 +143,50 @@ def main(argv):
   tokens_per_step = config.data.batch_size * config.data.sequence_length
   common = [f"--config.diloco.islands={islands}"]
   slowed = [*common, f"--config.testing.island_speeds={speeds}"]
-  runs = [
-      _run("wait", slowed),
-      _run("quorum", [*slowed,
-                      f"--config.elastic.min_islands={max(1, islands - 2)}",
-                      "--config.elastic.grace_seconds=0"]),
-      _run("time", [*slowed, "--config.elastic.round_budget=time"]),
-  ]
-  rows = [_row(run, tokens_per_step) for run in runs]
-  # The equal islands train the 'time' run's tokens: total steps of k
-  # islands at H each, whole rounds.
-  time_tokens = rows[-1]["tokens"]
-  inner_steps = config.diloco.inner_steps
-  total_steps = inner_steps * max(1, round(
-      time_tokens / (tokens_per_step * islands * inner_steps)))
-  rows.append(_row(_run("equal", [*common,
-                                  f"--config.total_steps={total_steps}"]),
-                   tokens_per_step))
-  equal_loss = rows[-1]["final_eval_loss"]
-  print(f"{'run':8} {'compute used':>12} {'steps run':>9} "
+  slowed_runs = {
+      "wait": slowed,
+      "quorum": [*slowed, f"--config.elastic.min_islands={max(1, islands - 2)}",
+                 "--config.elastic.grace_seconds=0"],
+      "time": [*slowed, "--config.elastic.round_budget=time"]}
+  knob = [float(s) for s in speeds.split(",")]
+  rows = [_row(_run(name, run_flags), tokens_per_step, knob)
+          for name, run_flags in slowed_runs.items() if name in _RUNS.value]
+  by_name = {row["run"]: row for row in rows}
+  if "equal" in _RUNS.value and "time" in by_name:
+    # The equal islands train the 'time' run's tokens: total steps of k
+    # islands at H each, whole rounds, all at the fastest's speed.
+    inner_steps = config.diloco.inner_steps
+    total_steps = inner_steps * max(1, round(
+        by_name["time"]["tokens"]
+        / (tokens_per_step * islands * inner_steps)))
+    fastest = max(knob)
+    rows.append(_row(_run("equal", [
+        *common, f"--config.testing.island_speeds="
+        + ",".join([f"{fastest:g}"] * islands),
+        f"--config.total_steps={total_steps}"]), tokens_per_step,
+                     [fastest] * islands))
+  _print(rows)
+
+
+def _print(rows) -> None:
+  """The table (and --out)."""
+  losses = {row["run"]: row["final_eval_loss"] for row in rows}
+  print(f"{'run':8} {'used':>6} {'run':>6} {'steps run':>9} "
         f"{'applied':>8} {'tokens':>9} {'rounds s':>9} {'wall s':>7} "
-        f"{'eval loss':>9} {'vs equal':>8}")
+        f"{'eval loss':>9} {'vs equal':>8} {'vs wait':>8}")
   for row in rows:
-    row["loss_vs_equal"] = row["final_eval_loss"] / equal_loss - 1
-    print(f"{row['run']:8} {row['compute_used']:12.3f} "
+    versus = {name: (row["final_eval_loss"] / losses[name] - 1
+                     if name in losses else None)
+              for name in ("equal", "wait")}
+    row.update(loss_vs_equal=versus["equal"], loss_vs_wait=versus["wait"])
+    shown = {name: "" if v is None else f"{v:+.2%}"
+             for name, v in versus.items()}
+    print(f"{row['run']:8} {row['compute_used']:6.3f} "
+          f"{row['compute_run']:6.3f} "
           f"{row['island_steps_run']:9d} {row['island_steps_applied']:8d} "
           f"{row['tokens']:9d} {row['round_seconds']:9.1f} "
           f"{row['wall_s']:7.1f} {row['final_eval_loss']:9.4f} "
-          f"{row['loss_vs_equal']:+8.2%}")
+          f"{shown['equal']:>8} {shown['wait']:>8}")
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(rows, f, indent=2)

@@ -65,6 +65,21 @@ def test_a_round_gives_each_island_the_steps_of_the_fastest_s_time():
   assert speeds.typical_step_seconds([]) is None
 
 
+def test_an_island_s_speed_is_the_median_of_its_last_three_rounds():
+  """One slowed round (another island's compile beside it) does not cut
+  an island's steps; a lasting change does, from the second round on."""
+  steps = speeds.RoundSteps("time")
+  for seconds in (0.1, 0.1, 0.5, 0.1, 0.1):  # island 1: one slow round
+    steps.measured({0: {"step_seconds": 0.1},
+                    1: {"step_seconds": seconds}})
+    assert steps.plan(None, {}, 10) == {0: 10, 1: 10}
+  steps.measured({0: {"step_seconds": 0.1}, 1: {"step_seconds": 0.4}})
+  assert steps.plan(None, {}, 10) == {0: 10, 1: 10}
+  steps.measured({0: {"step_seconds": 0.1}, 1: {"step_seconds": 0.4}})
+  assert steps.plan(None, {}, 10) == {0: 10, 1: 2}
+  assert speeds.RoundSteps("steps").plan(None, {}, 10) is None
+
+
 def test_the_speed_knob_slows_every_step_by_its_factor():
   import time  # pylint: disable=g-import-not-at-top
   started = time.monotonic()

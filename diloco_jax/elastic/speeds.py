@@ -61,6 +61,8 @@ def typical_step_seconds(step_seconds: list[float]) -> float | None:
   return statistics.median(step_seconds) if step_seconds else None
 
 
+# The rounds an island's speed is the median of.
+_MEASUREMENTS = 3
 # Islands measured within this fraction of the fastest take all H steps:
 # the same hardware measures a few percent apart from round to round.
 _SAME_SPEED = 0.05
@@ -87,8 +89,11 @@ class RoundSteps:
 
   def __init__(self, round_budget: str):
     self._timed = round_budget == "time"
-    # island -> its last measured seconds per inner step.
+    # island -> its seconds per inner step: the median of its last
+    # _MEASUREMENTS rounds' (one round's can be slowed by another
+    # island's compile or the coordinator's step beside it).
     self.seconds_per_step = {}
+    self._history = {}
 
   def plan(self, fleet, starts: dict, steps: int) -> dict[int, int] | None:
     """island -> its steps of a round of H = `steps`, or None (all H);
@@ -102,6 +107,10 @@ class RoundSteps:
 
   def measured(self, results: dict) -> None:
     """Takes the islands' step times of a round's results."""
-    self.seconds_per_step.update({
-        i: result["step_seconds"] for i, result in results.items()
-        if result.get("step_seconds") is not None})
+    for i, result in results.items():
+      if result.get("step_seconds") is None:
+        continue
+      history = self._history.setdefault(i, [])
+      history.append(result["step_seconds"])
+      del history[:-_MEASUREMENTS]
+      self.seconds_per_step[i] = statistics.median(history)
