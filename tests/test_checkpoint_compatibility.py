@@ -27,10 +27,10 @@ FIXTURE = os.path.join(FIXTURES, "checkpoint_96e0b9f")
 PER_OVERLAP = os.path.join(FIXTURES, "checkpoints_21e50ab")
 
 
-@pytest.mark.slow
-def test_a_checkpoint_written_before_the_subpackages_resumes(tmp_path):
-  workdir = tmp_path / "run"
-  shutil.copytree(FIXTURE, workdir)
+def _resumes_as_the_uninterrupted_run(fixture: str, workdir) -> None:
+  """The fixture's run, resumed from its step 4 checkpoint with the
+  current code, ends where the same run ended uninterrupted."""
+  shutil.copytree(fixture, workdir)
   with open(workdir / "config.json") as f:
     config = config_schema.from_record(json.load(f))
   with open(workdir / "expected.json") as f:
@@ -38,16 +38,22 @@ def test_a_checkpoint_written_before_the_subpackages_resumes(tmp_path):
   summary = train.train_and_evaluate(config, str(workdir))
   # Restoring checks every array against the digests saved with it, and a
   # checkpoint that fails is set aside and the run starts at step 0: a
-  # resume from step 4 means the old arrays read back bit for bit.
+  # resume from step 4 means the old arrays read back bit for bit (and,
+  # for an older state, were converted).
   assert summary["resumed_from_step"] == expected["checkpoint_step"]
   assert summary["rounds"] == 2
   # The 4 steps after the resume recompute what the uninterrupted run did
   # on the machine that wrote the fixture. On another CPU XLA may order
   # sums differently (float32 reassociation, ~1e-7 relative per sum),
-  # which 4 AdamW steps and a low-rank outer step amplify to about 1e-5
-  # relative in the eval loss at most; 1e-4 leaves a margin of 10.
+  # which 4 AdamW steps and an outer step amplify to about 1e-5 relative
+  # in the eval loss at most; 1e-4 leaves a margin of 10.
   assert summary["final_eval_loss"] == pytest.approx(
       expected["final_eval_loss_uninterrupted"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_before_the_subpackages_resumes(tmp_path):
+  _resumes_as_the_uninterrupted_run(FIXTURE, tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -56,19 +62,5 @@ def test_a_checkpoint_written_before_the_subpackages_resumes(tmp_path):
     if os.path.isdir(os.path.join(PER_OVERLAP, name))))
 def test_a_checkpoint_of_each_overlap_written_before_the_outer_field_resumes(
     tmp_path, overlap):
-  workdir = tmp_path / "run"
-  shutil.copytree(os.path.join(PER_OVERLAP, overlap), workdir)
-  with open(workdir / "config.json") as f:
-    config = config_schema.from_record(json.load(f))
-  with open(workdir / "expected.json") as f:
-    expected = json.load(f)
-  summary = train.train_and_evaluate(config, str(workdir))
-  # Read back bit for bit (the saved digests are checked) and converted:
-  # a checkpoint that fails would be set aside and the run start at 0.
-  assert summary["resumed_from_step"] == expected["checkpoint_step"]
-  assert summary["rounds"] == 2
-  # The 4 steps after the resume recompute the uninterrupted run's; the
-  # tolerance is the older fixture's (float32 reassociation on another
-  # CPU, amplified by 4 AdamW steps and an outer step, ~1e-5 at most).
-  assert summary["final_eval_loss"] == pytest.approx(
-      expected["final_eval_loss_uninterrupted"], rel=1e-4)
+  _resumes_as_the_uninterrupted_run(os.path.join(PER_OVERLAP, overlap),
+                                    tmp_path / "run")
