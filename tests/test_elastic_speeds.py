@@ -136,3 +136,36 @@ def test_slow_islands_take_fewer_steps_and_keep_exact_positions(namespace,
   assert summary["rounds"] == 3
   assert summary["data_states"] == [
       {"step": sum(t[i] for t in taken)} for i in range(2)]
+
+
+def test_pinned_islands_run_on_the_nodes_offering_their_slot(namespace,
+                                                             tmp_path):
+  """config.elastic.pin_islands: on the run's own Ray this node offers
+  every slot's resource, and the run trains; on a cluster where no node
+  offers island 1's, the command is one line naming the resource and
+  the `ray start` flag, and writes no config.json (no island started)."""
+  workdir = tmp_path / "pinned"
+  test_elastic._elastic(  # pylint: disable=protected-access
+      namespace, str(workdir), "--config.elastic.pin_islands=true")
+  assert test_elastic._summary(str(workdir))["rounds"] == 3  # pylint: disable=protected-access
+
+
+def test_a_pinned_island_no_node_offers_is_one_line(tmp_path):
+  import ray  # pylint: disable=g-import-not-at-top
+  from diloco_jax.elastic import driver  # pylint: disable=g-import-not-at-top
+  config = _config(**{"elastic.pin_islands": True})
+  # A cluster of this test's own on 127.0.0.1, whose one node offers
+  # island 0's slot and not island 1's.
+  ray.init(num_cpus=1, include_dashboard=False, configure_logging=False,
+           _node_ip_address="127.0.0.1", resources={"diloco_island_0": 1})
+  try:
+    with pytest.raises(problems.ConfigError,
+                       match=r"no node of the Ray cluster offers "
+                       r"diloco_island_1 \(islands \[1\]") as error:
+      driver.run(_run_config(config), str(tmp_path / "run"))
+  finally:
+    ray.shutdown()
+  assert "\n" not in str(error.value)
+  assert "ray start --resources='{\"diloco_island_1\": 1}'" in str(
+      error.value)
+  assert not (tmp_path / "run" / "config.json").exists()

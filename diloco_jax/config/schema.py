@@ -82,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
           "max_restarts": 3,
           "stale_rounds": 0,
           "round_budget": "steps",
+          # True: island i runs only on a Ray node started with
+          # --resources='{"diloco_island_i": 1}' (docs/elastic.md).
+          "pin_islands": False,
       }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged

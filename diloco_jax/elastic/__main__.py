@@ -40,7 +40,8 @@ def main(argv):
     raise SystemExit(f"error: {error}") from None
   try:
     summary = driver.run(run_config, _WORKDIR.value, _RAY_ADDRESS.value)
-  except workdir.WorkdirError as error:  # another coordinator holds it
+  except (workdir.WorkdirError,  # another coordinator holds it
+          problems.ConfigError) as error:  # the cluster cannot place it
     raise SystemExit(f"error: {error}") from None
   said = (f"final eval loss {summary['final_eval_loss']:.4f}, goodput "
           + ("none" if summary["goodput"] is None  # no round ran

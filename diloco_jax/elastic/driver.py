@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import ray
 
+from diloco_jax.config import problems as problems_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import coordinator as coordinator_lib
@@ -52,7 +53,6 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
   settings = settings_lib.check(run_config)
   if ray_address not in (None, "auto"):
     settings_lib.check_answers(ray_address)
-  config = run_config.config
   claim = workdir_lib.claim(str(pathlib.Path(workdir).resolve()),
                             checkpoints=_CHECKPOINTS)
   try:
@@ -60,8 +60,6 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
     finished = _finished_summary(run_config, workdir)
     if finished is not None:
       return {**finished, ALREADY_FINISHED: True}
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
     return _run_on_ray(run_config, settings, workdir, ray_address)
   finally:
     claim.release()
@@ -73,8 +71,12 @@ def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
   started_ray = not ray.is_initialized()
   watch = None
   if started_ray:
+    # Pinned islands on this run's own Ray: this node offers every slot.
+    own = ({fleet_lib.island_resource(i): 1
+            for i in range(run_config.islands)}
+           if settings.pin_islands and ray_address is None else None)
     ray.init(address=ray_address, include_dashboard=False,
-             configure_logging=False)
+             configure_logging=False, resources=own)
     if ray_address is None:
       # This run's own Ray: every process of it ends within a second of
       # this one, however this one ends (ray_watch.py).
@@ -83,6 +85,17 @@ def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
                                            context.get_session_name()))
   coordinator = None
   try:
+    unplaceable = (fleet_lib.unplaceable_islands(run_config.islands)
+                   if settings.pin_islands else [])
+    if unplaceable:
+      raise problems_lib.ConfigError(
+          f"config.elastic.pin_islands=True but no node of the Ray cluster "
+          f"offers {fleet_lib.island_resource(unplaceable[0])} (islands "
+          f"{unplaceable} would wait forever): start the host meant for "
+          f"island {unplaceable[0]} with ray start --resources="
+          f"'{{\"{fleet_lib.island_resource(unplaceable[0])}\": 1}}'")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(run_config.config.to_json_best_effort(indent=2))
     coordinator = coordinator_lib.Coordinator(run_config, workdir)
     resumed = coordinator.restore()
     return _train(run_config, settings, coordinator,

@@ -197,9 +197,31 @@ def _launcher(run_config, settings, workdir):
                      max_task_retries=0, scheduling_strategy="SPREAD",
                      **_resources(config))(island_lib.IslandProgram)
   speeds = settings.speeds or (1.0,) * run_config.islands
-  return lambda i: actor.remote(run_config, i, workdir, kill_steps[i],
-                                slow_rounds[i], speeds[i],
-                                kill_after=tuple(kill_after[i]))
+
+  def launch(i):
+    # Pinned: the island needs its slot's resource, which only the
+    # nodes meant for it offer.
+    pinned = (actor.options(resources={island_resource(i): 1})
+              if settings.pin_islands else actor)
+    return pinned.remote(run_config, i, workdir, kill_steps[i],
+                         slow_rounds[i], speeds[i],
+                         kill_after=tuple(kill_after[i]))
+
+  return launch
+
+
+def island_resource(island: int) -> str:
+  """The Ray resource a node offers to take island `island` when the
+  islands are pinned (config.elastic.pin_islands): `ray start
+  --resources='{"diloco_island_0": 1}'` on the host meant for island 0."""
+  return f"diloco_island_{island}"
+
+
+def unplaceable_islands(islands: int) -> list[int]:
+  """The islands that no node of the Ray cluster offers its pinned
+  resource for (they would wait for a node forever)."""
+  offered = ray.cluster_resources()
+  return [i for i in range(islands) if offered.get(island_resource(i), 0) < 1]
 
 
 def _resources(config) -> dict:

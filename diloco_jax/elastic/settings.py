@@ -32,6 +32,8 @@ class ElasticSettings:
       coordinator (tests: config.testing.kill_island's 'ISLAND@ROUND:after').
     speeds: per island, the factor its steps are slowed by (tests,
       benchmarks; all 1.0 normally).
+    pin_islands: island i runs only on a node offering the Ray resource
+      diloco_island_i (fleet.island_resource), not where SPREAD puts it.
   """
   min_islands: int
   grace_seconds: float
@@ -42,6 +44,7 @@ class ElasticSettings:
   stale_rounds: int = 0
   round_budget: str = "steps"
   speeds: tuple[float, ...] = ()
+  pin_islands: bool = False
   kill_after: tuple[tuple[int, int], ...] = ()
 
 
@@ -137,9 +140,14 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
   except ValueError as error:
     raise problems_lib.ConfigError(
         f"config.testing.island_speeds: {error}") from None
+  if not isinstance(elastic.pin_islands, bool):
+    raise problems_lib.ConfigError(
+        f"config.elastic.pin_islands={elastic.pin_islands!r} must be True "
+        "or False")
   return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
                          float(slow_seconds), stale, elastic.round_budget,
-                         speeds, kill_after=kill_after)
+                         speeds, kill_after=kill_after,
+                         pin_islands=elastic.pin_islands)
 
 
 def _kills(spec: str, islands: int) -> tuple[tuple[tuple[int, int], ...],
