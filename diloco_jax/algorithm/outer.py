@@ -11,8 +11,7 @@
 (outer_overlaps.py: the overlaps and their measured outer optimizers); its
 state (outer_state.py) holds what changes from round to round and
 remembers which object made it, so nothing is given twice. Every runtime
-runs it: the compiled on-device step (outer_step.py), the outer side on
-devices of its own (run/host_outer.py), the elastic coordinator.
+runs it: outer_step.py, run/host_outer.py, the elastic coordinator.
 
 Every call works in two forms: stacked (islands' trees [k, ...],
 `init(x, k)`, axis_name=None) and per island (inside shard_map, one
@@ -28,11 +27,9 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_mean as island_mean_lib
 from diloco_jax.algorithm import island_trees
 from diloco_jax.algorithm import library_checks
-from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer_checks
 from diloco_jax.algorithm import outer_eager
 from diloco_jax.algorithm import outer_overlaps
@@ -65,7 +62,9 @@ class DiLoCo:
   def keeps_island_points(self) -> bool:
     """Whether each island starts its rounds from a point of its own (the
     delay with rebase, eager updates) rather than x."""
-    return self._anchored
+    return self._eager or (isinstance(self.overlap,
+                                      outer_overlaps.OneStepDelay)
+                           and self.overlap.rebase)
 
   def without_error_feedback(self) -> "DiLoCo":
     """This algorithm, its residuals kept elsewhere (on the islands)."""
@@ -84,12 +83,6 @@ class DiLoCo:
     return isinstance(self.overlap, (outer_overlaps.OneStepDelay,
                                      outer_overlaps.Eager))
 
-  @property
-  def _anchored(self) -> bool:
-    return self._eager or (isinstance(self.overlap,
-                                      outer_overlaps.OneStepDelay)
-                           and self.overlap.rebase)
-
   def init(self, params, num_islands: int | None = None, *,
            seed: int = 0) -> OuterState:
     """The state before the first round, for the global `params` x:
@@ -103,14 +96,8 @@ class DiLoCo:
                            params)
     assignment = None
     if self._streaming:
-      assignment = self.overlap.assignment or (
-          streaming_rules.fragment_assignment(params,
-                                                self.overlap.num_fragments))
-      streaming_rules.check_assignment(params, assignment,
-                                         self.overlap.num_fragments)
-      outer_opt_state = tuple(
-          self.outer_tx.init(fragments_lib.select(params, assignment, f))
-          for f in range(self.overlap.num_fragments))
+      assignment, outer_opt_state = streaming_rules.init_fragments(
+          params, self.overlap, self.outer_tx)
     elif self._eager:
       outer_opt_state = (self.outer_tx.init(params) if num_islands is None
                          else jax.vmap(self.outer_tx.init)(
@@ -126,7 +113,7 @@ class DiLoCo:
                    if self.error_feedback else None),
         in_flight=zeros32 if self._delayed else None,
         in_flight_valid=jnp.zeros((), bool) if self._delayed else None,
-        anchors=per_island(params) if self._anchored else None,
+        anchors=per_island(params) if self.keeps_island_points else None,
         own_shares=per_island(zeros32) if self._eager else None,
         recipe=self._recipe(assignment))
 
@@ -180,11 +167,12 @@ class DiLoCo:
     with error feedback. `apply` takes it from there; `update` is the
     two."""
     outer_checks.check_state(self, state, "mean")
-    reference = state.anchors if self._anchored else params
+    own = self.keeps_island_points
     return island_mean_lib.island_mean(
-        reference, island_params, weights=weights, residuals=state.residuals,
-        codec_state=state.codec_state, compression=self.codec,
-        axis_name=axis_name, key=key, stacked_reference=self._anchored)
+        state.anchors if own else params, island_params, weights=weights,
+        residuals=state.residuals, codec_state=state.codec_state,
+        compression=self.codec, axis_name=axis_name, key=key,
+        stacked_reference=own)
 
   def apply(self, params, island_params, state: OuterState,
             synced: island_mean_lib.IslandMean, *, weights=None,
@@ -271,7 +259,7 @@ class DiLoCo:
       return outer_eager.start(self.outer_tx, self.overlap, island_params,
                                state, included, landed, mean, weights, form,
                                wait)
-    if not self._anchored:
+    if not self.keeps_island_points:
       return form.copies(params), state
     islands, anchors = overlap_lib.rebase(
         form.one(island_params), form.one(state.anchors), params,
@@ -293,7 +281,7 @@ class DiLoCo:
     x = params
     if self._delayed:
       x, state = self._apply_in_flight(params, state, form.stages)
-      if self._anchored:
+      if self.keeps_island_points:
         state = state.replace(anchors=form.copies(x))
     return Update(x, form.copies(x), state)
 
@@ -395,10 +383,7 @@ def diloco(outer_tx: optax.GradientTransformation | None = None,
   """
   codec = compression_lib.as_compression(codec)
   overlap = outer_overlaps.NoOverlap() if overlap is None else overlap
-  if not isinstance(overlap, (outer_overlaps.NoOverlap,
-                              outer_overlaps.OneStepDelay,
-                              outer_overlaps.Eager,
-                              outer_overlaps.Streaming)):
+  if not isinstance(overlap, outer_overlaps.OVERLAPS):
     raise TypeError(f"overlap={overlap!r}: give no_overlap(), "
                     "one_step_delay(), eager() or streaming(num_fragments)")
   sparseloco = codec.name == compression_lib.SPARSELOCO
@@ -411,11 +396,5 @@ def diloco(outer_tx: optax.GradientTransformation | None = None,
         "residual, so it needs error feedback; leave error_feedback unset "
         "(it turns on by itself) or give True")
   if outer_tx is None:
-    if sparseloco:  # x - alpha * mean, alpha 1
-      outer_tx = optimizers.outer_optimizer(optimizers.OuterSettings(
-          "sparseloco", 1.0))
-    else:
-      learning_rate, momentum = outer_overlaps.nesterov_defaults(overlap)
-      outer_tx = optimizers.outer_optimizer(optimizers.OuterSettings(
-          "nesterov", learning_rate, momentum))
+    outer_tx = outer_overlaps.default_outer_tx(overlap, sparseloco)
   return DiLoCo(outer_tx, codec, overlap, bool(error_feedback))

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Sequence
 
 from diloco_jax.algorithm import library_checks
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import overlap as overlap_lib
 
 # (learning rate, momentum) of outer Nesterov per overlap mode (the
@@ -165,3 +166,18 @@ def nesterov_defaults(overlap: Overlap) -> tuple[float, float]:
   """(learning rate, momentum) measured for outer Nesterov under
   `overlap`."""
   return NESTEROV_DEFAULTS[overlap.mode]
+
+
+# Every overlap the outer object takes.
+OVERLAPS = (NoOverlap, OneStepDelay, Eager, Streaming)
+
+
+def default_outer_tx(overlap: Overlap, sparseloco: bool):
+  """The outer optimizer of an object given none: SparseLoCo's x - alpha *
+  mean at alpha 1, or outer Nesterov at `overlap`'s measured defaults."""
+  if sparseloco:
+    return optimizers.outer_optimizer(optimizers.OuterSettings(
+        "sparseloco", 1.0))
+  learning_rate, momentum = nesterov_defaults(overlap)
+  return optimizers.outer_optimizer(optimizers.OuterSettings(
+      "nesterov", learning_rate, momentum))

@@ -18,6 +18,18 @@ from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import schedule as schedule_lib
 
 
+def init_fragments(params, overlap, outer_tx: optax.GradientTransformation):
+  """(assignment, outer optimizer states) of a streaming `overlap` for the
+  global `params`: each leaf's fragment (the overlap's own, or
+  `fragment_assignment`'s), checked, and one outer state per fragment."""
+  assignment = overlap.assignment or fragment_assignment(
+      params, overlap.num_fragments)
+  check_assignment(params, assignment, overlap.num_fragments)
+  return assignment, tuple(
+      outer_tx.init(fragments_lib.select(params, assignment, f))
+      for f in range(overlap.num_fragments))
+
+
 def fragment_assignment(params, num_fragments: int) -> tuple[int, ...]:
   """The fragment of each leaf of `params` (jax.tree.leaves order).
 
