@@ -309,15 +309,14 @@ def test_streaming_sends_and_merges_equal_the_built_in_ones(codec_name):
   built_in = outer_settings.init_state(params, optax.adamw(1e-2), outer_tx,
                                        ISLANDS, error_feedback=True,
                                        compression=compression)
-  built_in = built_in.replace(outer=built_in.outer.replace(
-      outer_opt_state=fragments.init_outer_states(params, outer_tx,
-                                                  num_fragments)))
+  built_in_outer = diloco.diloco(outer_tx, compression,
+                                 diloco.streaming(num_fragments),
+                                 error_feedback=True)
+  built_in = built_in.replace(outer=built_in_outer.init(params, ISLANDS))
   shardings = state_lib.state_shardings(built_in, mesh)
   built_in = jax.device_put(built_in, shardings)
   built_in_programs = {
-      ("send", f): fragments.make_fragment_send(outer_tx, mesh,
-                                                num_fragments, f,
-                                                compression)
+      ("send", f): fragments.make_fragment_send(built_in_outer, mesh, f)
       for f in range(num_fragments)} | {
       ("merge", f): fragments.make_fragment_merge(mesh, num_fragments, f,
                                                   alpha)

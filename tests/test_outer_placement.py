@@ -109,18 +109,16 @@ def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   compression = test_streaming._compression("lowrank")  # pylint: disable=protected-access
   params, inner_opt, outer_opt, state = test_streaming._state(  # pylint: disable=protected-access
       islands, compression, True, num_layers=4)
-  state = jax.tree.map(np.array, jax.device_get(state.replace(
-      outer=state.outer.replace(outer_opt_state=fragments.init_outer_states(
-          params, outer_opt, num_fragments)))))
+  state, outer = test_streaming._streaming(  # pylint: disable=protected-access
+      state, params, inner_opt, outer_opt, compression, num_fragments)
+  state = jax.tree.map(np.array, jax.device_get(state))
   mesh = mesh_lib.build_mesh(islands, devices=compute)
   shardings = state_lib.state_shardings(state, mesh)
   on_device = jax.device_put(state, shardings)
-  host = host_outer.build(outer_devices, islands, mesh, library.diloco(
-      outer_opt, compression, library.streaming(num_fragments)), inner_opt)
+  host = host_outer.build(outer_devices, islands, mesh, outer, inner_opt)
   on_host = host.load(jax.device_put(state, shardings))
   stripped_shardings = state_lib.state_shardings(on_host, mesh)
-  sends = [fragments.make_fragment_send(outer_opt, mesh, num_fragments, p,
-                                        compression)
+  sends = [fragments.make_fragment_send(outer, mesh, p)
            for p in range(num_fragments)]
   merges = [fragments.make_fragment_merge(mesh, num_fragments, p, alpha,
                                           inner_opt=inner_opt)

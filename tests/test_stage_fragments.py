@@ -119,8 +119,8 @@ def test_a_stage_s_send_and_merge_are_the_unpipelined_ones_on_its_share(
   logical = _logical_state(setup)
   weights = np.array([1.0, 3.0], np.float32)
   sends = stage_fragments.compile_sends(
-      mesh, setup.steps_state, setup.weights_shape, outer_opt=spec.outer_opt,
-      compression=spec.compression, rounding_seed=None,
+      mesh, setup.steps_state, setup.weights_shape, outer=spec.outer,
+      rounding_seed=None,
       stripes=config.mesh.data if config.mesh.fsdp else 1)
   merges = stage_fragments.compile_merges(
       mesh, setup.steps_state, alpha=config.diloco.fragment_alpha,
@@ -131,7 +131,7 @@ def test_a_stage_s_send_and_merge_are_the_unpipelined_ones_on_its_share(
   plain_mesh = mesh_lib.build_mesh(2, config.mesh.data, 1,
                                    jax.devices()[:2 * config.mesh.data])
   reference_send = jax.jit(fragments_lib.make_send_parts(
-      spec.outer_opt, island_sync_lib.make_island_sync(
+      spec.outer, island_sync_lib.make_island_sync(
           plain_mesh, spec.compression, None, config.mesh.fsdp)))
   for stage in range(stages):
     # Each program runs on the stage's devices only: its collective

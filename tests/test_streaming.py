@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import tiny
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments
+from diloco_jax.algorithm import library
 from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import schedule
@@ -100,6 +101,18 @@ def _state(islands, compression=None, error_feedback=False, num_fragments=1,
   return params, inner_opt, outer_opt, state
 
 
+def _streaming(state, params, inner_opt, outer_opt, compression,
+               num_fragments, seed=0):
+  """`state`'s islands and x under a streaming outer object of
+  `num_fragments` (its outer state one per fragment), as a run makes it."""
+  outer = library.diloco(outer_opt, compression,
+                         library.streaming(num_fragments),
+                         error_feedback=state.outer.residuals is not None)
+  return state.replace(outer=state_lib.init_state(
+      params, inner_opt, outer, state_lib.num_islands(state),
+      seed=seed).outer), outer
+
+
 def _model_config(num_layers):
   config = helpers.tiny_model_config()
   config.num_layers = num_layers
@@ -136,15 +149,15 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
                                                error_feedback)
   plain = jax.tree.map(np.array, jax.device_get(plain))  # own buffers each
   mesh = mesh_lib.build_mesh(islands)
-  streaming = plain.replace(outer=plain.outer.replace(
-      outer_opt_state=fragments.init_outer_states(params, outer_opt, 1)))
+  streaming, streaming_outer = _streaming(plain, params, inner_opt,
+                                          outer_opt, compression, 1)
   plain_shardings = state_lib.state_shardings(plain, mesh)
   streaming_shardings = state_lib.state_shardings(streaming, mesh)
   plain = jax.device_put(plain, plain_shardings)
   streaming = jax.device_put(streaming, streaming_shardings)
   outer = outer_step_lib.make_outer_step(outer_opt, mesh, compression,
                                          inner_opt=inner_opt)
-  send = fragments.make_fragment_send(outer_opt, mesh, 1, 0, compression)
+  send = fragments.make_fragment_send(streaming_outer, mesh, 0)
   merge = fragments.make_fragment_merge(mesh, 1, 0, alpha=0.0,
                                         inner_opt=inner_opt)
   weights = jax.device_put(jnp.array([1.0, 2.0, 1.0, 3.0]),
@@ -173,17 +186,15 @@ def test_a_send_touches_only_its_fragment_and_a_merge_blends():
   islands, num_fragments, alpha = 2, 2, 0.25
   params, inner_opt, outer_opt, state = _state(
       islands, _compression("int8"), error_feedback=True, num_layers=4)
-  state = state.replace(outer=state.outer.replace(
-      outer_opt_state=fragments.init_outer_states(params, outer_opt,
-                                                  num_fragments)))
+  state, outer = _streaming(state, params, inner_opt, outer_opt,
+                            _compression("int8"), num_fragments)
   mesh = mesh_lib.build_mesh(islands)
   shardings = state_lib.state_shardings(state, mesh)
   state = moved_islands(jax.device_put(state, shardings), jax.random.key(0),
                         shardings)
   assignment = fragments.leaf_fragments(params, num_fragments)
   before = jax.device_get(state)
-  send = fragments.make_fragment_send(outer_opt, mesh, num_fragments, 1,
-                                      _compression("int8"))
+  send = fragments.make_fragment_send(outer, mesh, 1)
   merge = fragments.make_fragment_merge(mesh, num_fragments, 1, alpha,
                                         inner_opt=inner_opt)
   weights = jax.device_put(jnp.ones(islands), NamedSharding(mesh, P("island")))

@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm import island_mean as island_mean_lib
 from diloco_jax.algorithm import island_sync as island_sync_lib
-from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import state as state_lib
 
 
@@ -101,14 +100,6 @@ def codec_positions(params, compression, assignment, fragment) -> list[int]:
   return positions
 
 
-def init_outer_states(params, outer_opt: optax.GradientTransformation,
-                      num_fragments: int) -> tuple:
-  """One outer optimizer state per fragment, over its leaves."""
-  assignment = leaf_fragments(params, num_fragments)
-  return tuple(outer_opt.init(select(params, assignment, f))
-               for f in range(num_fragments))
-
-
 class FragmentParts(NamedTuple):
   """The outer side's share of one fragment: its leaves of x, its outer
   optimizer state, its leaves of the residuals (or None) and its entries of
@@ -119,92 +110,93 @@ class FragmentParts(NamedTuple):
   codec_state: tuple | None
 
 
-def fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
-                   positions: Sequence[int], fragment: int) -> FragmentParts:
-  """`fragment`'s parts of `state` (a TrainState of arrays, abstract arrays
-  or shardings); `positions` from codec_positions."""
-  outer = state.outer
-  codec_state = (None if outer.codec_state is None
-                 else tuple(outer.codec_state[i] for i in positions))
+def fragment_parts(params, outer, fragment: int) -> FragmentParts:
+  """`fragment`'s parts of x `params` and the outer state `outer` (an
+  OuterState of arrays, abstract arrays or shardings, whose recipe names
+  each leaf's fragment and the codec)."""
+  assignment = outer.recipe.assignment
+  codec_state = (None if outer.codec_state is None else tuple(
+      outer.codec_state[i] for i in codec_positions(
+          params, outer.recipe.codec, assignment, fragment)))
   return FragmentParts(
-      select(state.global_params, assignment, fragment),
+      select(params, assignment, fragment),
       outer.outer_opt_state[fragment],
       (None if outer.residuals is None
        else select(outer.residuals, assignment, fragment)),
       codec_state)
 
 
-def with_fragment_parts(state: state_lib.TrainState, assignment: Sequence[int],
-                        positions: Sequence[int], fragment: int,
-                        parts: FragmentParts) -> state_lib.TrainState:
-  """`state` with `fragment`'s parts replaced by `parts`."""
-  outer = state.outer
+def with_fragment_parts(params, outer, fragment: int, parts: FragmentParts):
+  """(params, outer) with `fragment`'s parts replaced by `parts`."""
+  assignment = outer.recipe.assignment
   outer_states = list(outer.outer_opt_state)
   outer_states[fragment] = parts.outer_opt_state
   codec_state = outer.codec_state
   if codec_state is not None:
     codec_state = list(codec_state)
-    for i, entry in zip(positions, parts.codec_state):
+    for i, entry in zip(codec_positions(params, outer.recipe.codec,
+                                        assignment, fragment),
+                        parts.codec_state):
       codec_state[i] = entry
     codec_state = tuple(codec_state)
-  return state.replace(
-      global_params=replace(state.global_params, assignment, fragment,
-                            parts.x),
-      outer=outer.replace(
-          outer_opt_state=tuple(outer_states),
-          residuals=(None if outer.residuals is None else replace(
-              outer.residuals, assignment, fragment, parts.residuals)),
-          codec_state=codec_state))
+  return (replace(params, assignment, fragment, parts.x),
+          outer.replace(
+              outer_opt_state=tuple(outer_states),
+              residuals=(None if outer.residuals is None else replace(
+                  outer.residuals, assignment, fragment, parts.residuals)),
+              codec_state=codec_state))
 
 
-def make_send_parts(outer_opt: optax.GradientTransformation, sync):
+def make_send_parts(outer, sync):
   """send(parts, island_leaves, weights, send_index) -> parts (traceable):
-  the core of a fragment's send wherever it runs.
+  a fragment's send on its parts alone, wherever they are (the compute
+  devices, the outer devices of outer_placement='host', a pipeline stage).
 
-  `island_leaves` are the fragment's leaves of every island's params
-  (stacked along the island axis); `sync` is island_sync_lib.make_island_sync's.
-  The pseudo-gradients go through the codec (the fragment's residuals and
-  codec state only) and the outer optimizer steps x with the weighted mean;
-  islands with weight 0 or a non-finite pseudo-gradient are left out, and a
-  send in which none takes part changes nothing.
+  `outer`: the run's outer object (outer.DiLoCo, streaming);
+  `island_leaves`: the fragment's leaves of every island's params
+  (stacked along the island axis); `sync`: island_sync_lib.make_island_sync's
+  collective. The pseudo-gradients go through the codec (the fragment's
+  residuals and codec state only) and the object steps x with the
+  weighted mean (`outer.step_fragment`); islands with weight 0 or a
+  non-finite pseudo-gradient are left out, and a send in which none takes
+  part changes nothing.
   """
 
   def send(parts: FragmentParts, island_leaves, weights, send_index):
-    mean, residuals, codec_state, included, _ = sync(
+    return outer.step_fragment(parts, _synced(sync(
         parts.x, island_leaves, parts.residuals, parts.codec_state, weights,
-        send_index)
-    x, outer_state, codec_state = outer_rules.fragment_step(
-        outer_opt, parts.x, parts.outer_opt_state,
-        None if codec_state is None else (parts.codec_state, codec_state),
-        mean, jnp.any(included))
-    # An island left out keeps its own residual (make_island_sync).
-    return FragmentParts(x, outer_state, residuals, codec_state)
+        send_index)))
 
   return send
 
 
-def make_fragment_send(outer_opt: optax.GradientTransformation, mesh,
-                       num_fragments: int, fragment: int, compression=None,
+def _synced(sync_out):
+  """island_sync's (mean, residuals, codec state, included, finite) as the
+  outer object's IslandMean (`anyone`: some island took part)."""
+  return island_mean_lib.IslandMean(*sync_out, jnp.any(sync_out[3]))
+
+
+def make_fragment_send(outer, mesh, fragment: int,
                        rounding_seed: int | None = None, fsdp: bool = False):
   """Builds send(state, weights) -> state for one fragment on the compute
   devices (jitted; `state` is donated): make_send_parts over the state's
-  fragment. The islands' params are untouched: make_fragment_merge folds x
-  in later.
-  """
-  compression = compression_lib.as_compression(compression)
-  send_parts = make_send_parts(outer_opt, island_sync_lib.make_island_sync(
-      mesh, compression, rounding_seed, fsdp))
+  fragment, its collective over the island mesh. The islands' params are
+  untouched: make_fragment_merge folds x in later. As on the outer devices
+  and per stage, the state's round and included stay (the schedule counts
+  the sends)."""
+  send_parts = make_send_parts(outer, island_sync_lib.make_island_sync(
+      mesh, outer.codec, rounding_seed, fsdp))
+  num_fragments = outer.overlap.num_fragments
 
   def send(state: state_lib.TrainState, weights: jax.Array):
-    assignment = leaf_fragments(state.global_params, num_fragments)
-    positions = codec_positions(state.global_params, compression,
-                                assignment, fragment)
     # Each send of each fragment draws its own rounding noise.
     parts = send_parts(
-        fragment_parts(state, assignment, positions, fragment),
-        select(state.island_params, assignment, fragment), weights,
-        send_index(state.step, num_fragments, fragment))
-    state = with_fragment_parts(state, assignment, positions, fragment, parts)
+        fragment_parts(state.global_params, state.outer, fragment),
+        select(state.island_params, state.outer.recipe.assignment, fragment),
+        weights, send_index(state.step, num_fragments, fragment))
+    x, outer_state = with_fragment_parts(state.global_params, state.outer,
+                                         fragment, parts)
+    state = state.replace(global_params=x, outer=outer_state)
     return state_lib.constrain_state(state, mesh, fsdp)
 
   return jax.jit(send, donate_argnums=0)

@@ -9,16 +9,19 @@ from typing import Sequence
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import library_checks
 from diloco_jax.algorithm import library_diloco
+from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_state as outer_state_lib
 from diloco_jax.algorithm import streaming_rules
 # Re-exported by library.py: the fragments and the schedule.
 from diloco_jax.algorithm.streaming_rules import (  # pylint: disable=unused-import
-    check_assignment, fragment_assignment, send_fragment, streaming_schedule)
+    fragment_assignment, streaming_schedule)
 
 
 class StreamingState(flax.struct.PyTreeNode):
@@ -50,19 +53,17 @@ def streaming_init(params, outer_tx: optax.GradientTransformation,
   library_checks.check_num_islands(num_islands, "streaming_init")
   library_checks.check_error_feedback(compression, error_feedback,
                                       "streaming_init")
-  if assignment is None:
-    assignment = fragment_assignment(params, num_fragments)
-  assignment = tuple(int(f) for f in assignment)
-  check_assignment(params, assignment, num_fragments)
+  overlap = outer_overlaps.Streaming(
+      num_fragments, assignment=(None if assignment is None
+                                 else tuple(int(f) for f in assignment)))
+  assignment, outer_opt_states = streaming_rules.init_fragments(
+      params, overlap, outer_tx)
   base = library_diloco.init(params, outer_tx, num_islands,
                              compression=compression,
                              error_feedback=error_feedback, seed=seed)
   return StreamingState(
-      outer_opt_states=tuple(
-          outer_tx.init(fragments_lib.select(params, assignment, f))
-          for f in range(num_fragments)),
-      codec_state=base.codec_state, residuals=base.residuals,
-      assignment=assignment)
+      outer_opt_states=outer_opt_states, codec_state=base.codec_state,
+      residuals=base.residuals, assignment=assignment)
 
 
 def fragment_send(global_params, island_params, state: StreamingState,
@@ -89,14 +90,31 @@ def fragment_send(global_params, island_params, state: StreamingState,
       codec_state=state.codec_state, weights=weights,
       compression=compression, axis_name=axis_name,
       made_by="streaming_init", used_by="fragment_send")
-  sent = send_fragment(
-      global_params, island_params, state.outer_opt_states,
-      state.codec_state, state.residuals, state.assignment, fragment,
-      outer_tx, weights=weights, compression=compression,
-      axis_name=axis_name, key=key)
+  # The outer object's send (outer.py), the same as every runtime's.
+  algorithm = outer_lib.DiLoCo(
+      outer_tx, compression_lib.as_compression(compression),
+      outer_overlaps.Streaming(len(state.outer_opt_states),
+                               assignment=state.assignment),
+      error_feedback=state.residuals is not None)
+  stacked = axis_name is None
+  outer_state = outer_lib.OuterState(
+      round=jnp.zeros((), jnp.int32),
+      included=(jnp.ones(jax.tree.leaves(island_params)[0].shape[:1], bool)
+                if stacked else jnp.ones((), bool)),
+      outer_opt_state=state.outer_opt_states, codec_state=state.codec_state,
+      residuals=state.residuals,
+      recipe=outer_state_lib.Recipe(algorithm.codec, algorithm.overlap,
+                                    algorithm.error_feedback,
+                                    state.assignment))
+  synced = algorithm.mean(global_params, island_params, outer_state,
+                          weights=weights, key=key, axis_name=axis_name,
+                          fragment=fragment)
+  sent = algorithm.apply(global_params, None, outer_state, synced,
+                         fragment=fragment)
   return sent.params, state.replace(
-      outer_opt_states=sent.outer_opt_states, codec_state=sent.codec_state,
-      residuals=sent.residuals), sent.included
+      outer_opt_states=sent.state.outer_opt_state,
+      codec_state=sent.state.codec_state,
+      residuals=sent.state.residuals), synced.included
 
 
 def fragment_merge(global_params, island_params, state: StreamingState,

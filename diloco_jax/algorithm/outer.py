@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
+from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_mean as island_mean_lib
 from diloco_jax.algorithm import island_trees
 from diloco_jax.algorithm import library_checks
@@ -143,36 +144,36 @@ class DiLoCo:
     """
     outer_checks.check_update(self, params, island_params, state, weights,
                               axis_name, fragment, "update")
-    if self._streaming:
-      # One fragment's mean and outer step (its residuals and codec state
-      # only), merged at once with no fragment_delay.
-      return self._sent(island_params, state, fragment,
-                        streaming_rules.send_fragment(
-                            params, island_params, state.outer_opt_state,
-                            state.codec_state, state.residuals,
-                            state.recipe.assignment, fragment, self.outer_tx,
-                            weights=weights, compression=self.codec,
-                            axis_name=axis_name, key=key))
     return self.apply(params, island_params, state,
                       self.mean(params, island_params, state,
                                 weights=weights, key=key,
-                                axis_name=axis_name),
-                      weights=weights, axis_name=axis_name)
+                                axis_name=axis_name, fragment=fragment),
+                      weights=weights, axis_name=axis_name,
+                      fragment=fragment)
 
   def mean(self, params, island_params, state: OuterState, *, weights=None,
-           key: jax.Array | None = None,
-           axis_name: str | None = None) -> island_mean_lib.IslandMean:
+           key: jax.Array | None = None, axis_name: str | None = None,
+           fragment: int | None = None) -> island_mean_lib.IslandMean:
     """The round's collective alone: the islands' weighted mean of their
     pseudo-gradients (against x, or their anchors) through the codec,
-    with error feedback. `apply` takes it from there; `update` is the
-    two."""
+    with error feedback. Streaming: over `fragment`'s leaves only (a list
+    in leaf order), with its residuals and codec state. `apply` takes it
+    from there; `update` is the two."""
     outer_checks.check_state(self, state, "mean")
     own = self.keeps_island_points
+    reference = state.anchors if own else params
+    residuals, codec_state = state.residuals, state.codec_state
+    if fragment is not None:
+      outer_checks.check_fragment_of(self, fragment, "mean")
+      parts = fragments_lib.fragment_parts(params, state, fragment)
+      reference, residuals, codec_state = (parts.x, parts.residuals,
+                                           parts.codec_state)
+      island_params = fragments_lib.select(
+          island_params, state.recipe.assignment, fragment)
     return island_mean_lib.island_mean(
-        state.anchors if own else params, island_params, weights=weights,
-        residuals=state.residuals, codec_state=state.codec_state,
-        compression=self.codec, axis_name=axis_name, key=key,
-        stacked_reference=own)
+        reference, island_params, weights=weights, residuals=residuals,
+        codec_state=codec_state, compression=self.codec,
+        axis_name=axis_name, key=key, stacked_reference=own)
 
   def apply(self, params, island_params, state: OuterState,
             synced: island_mean_lib.IslandMean, *, weights=None,
@@ -194,11 +195,14 @@ class DiLoCo:
     outer_checks.check_state(self, state, "apply")
     if self._streaming or fragment is not None:
       outer_checks.check_fragment_of(self, fragment, "apply")
-      return self._sent(island_params, state, fragment,
-                        streaming_rules.step_fragment(
-                            params, state.outer_opt_state, state.codec_state,
-                            state.residuals, state.recipe.assignment,
-                            fragment, self.outer_tx, synced, self.codec))
+      x, state = fragments_lib.with_fragment_parts(
+          params, state, fragment, self.step_fragment(
+              fragments_lib.fragment_parts(params, state, fragment), synced))
+      state = state.replace(included=synced.included, round=state.round + 1)
+      if self.overlap.fragment_delay == 0 and island_params is not None:
+        island_params = self.merge(x, island_params, state,
+                                   fragment=fragment)
+      return Update(x, island_params, state)
     landed = (state.in_flight, state.in_flight_valid)
     x, state = self.land(params, state, stages=stages)
     x, state = self.take(x, state, synced, stages=stages)
@@ -317,6 +321,15 @@ class DiLoCo:
                                           state.recipe.assignment, fragment,
                                           self.overlap.alpha)
 
+  def step_fragment(self, parts: fragments_lib.FragmentParts,
+                    synced: island_mean_lib.IslandMean
+                    ) -> fragments_lib.FragmentParts:
+    """Streaming, for a run's compiled sends (fragments.make_send_parts):
+    a fragment's parts (fragments.fragment_parts) after its outer step on
+    `synced`, the mean over its leaves. `apply(..., fragment=p)` is this
+    on the whole state, with the round counted."""
+    return streaming_rules.step_parts(self.outer_tx, parts, synced)
+
   def schedule(self, step: int, *, inner_steps: int,
                total_steps: int) -> list[tuple[str, int]]:
     """Streaming: what to run after inner step `step` (1-based), in order:
@@ -335,19 +348,6 @@ class DiLoCo:
     return actions
 
   # The pieces.
-
-  def _sent(self, island_params, state: OuterState, fragment: int,
-            sent: streaming_rules.FragmentSent) -> Update:
-    """Streaming: a fragment's send taken into the state; the islands
-    merged at once with no fragment_delay (None stays None)."""
-    state = state.replace(
-        outer_opt_state=sent.outer_opt_states, codec_state=sent.codec_state,
-        residuals=sent.residuals, included=sent.included,
-        round=state.round + 1)
-    if self.overlap.fragment_delay or island_params is None:
-      return Update(sent.params, island_params, state)
-    return Update(sent.params, self.merge(sent.params, island_params, state,
-                                          fragment=fragment), state)
 
   def _recipe(self, assignment=None) -> outer_state.Recipe:
     return outer_state.Recipe(self.codec, self.overlap, self.error_feedback,

@@ -56,19 +56,19 @@ def _restore(tree, axis: int):
   return jax.tree.map(lambda a: jnp.expand_dims(a, axis), tree)
 
 
-def make_stage_send(outer_opt: optax.GradientTransformation, sync,
-                    stages: int, stage: int):
+def make_stage_send(outer, sync, stages: int, stage: int):
   """send(parts, island_part, weights, step) -> parts (traceable): stage
   `stage`'s fragment send on its part of the staged state.
 
   `parts`: a fragments.FragmentParts of the stage's part of x, the outer
   state, the residuals (or None) and the codec state (or None);
-  `island_part`: its part of the islands' params; `sync`: island_sync's
-  make_island_sync on the stage's own devices (a mesh whose 'stage' axis
-  has size 1). The mean, the codec and the outer step are the unpipelined
-  send's (fragments.make_send_parts), on the stage's share.
+  `island_part`: its part of the islands' params; `outer`: the run's
+  outer object; `sync`: island_sync's make_island_sync on the stage's own
+  devices (a mesh whose 'stage' axis has size 1). The mean, the codec and
+  the outer step are the unpipelined send's (fragments.make_send_parts),
+  on the stage's share.
   """
-  send_parts = fragments_lib.make_send_parts(outer_opt, sync)
+  send_parts = fragments_lib.make_send_parts(outer, sync)
 
   def send(parts: fragments_lib.FragmentParts, island_part, weights, step):
     new = send_parts(

@@ -1,17 +1,14 @@
 """Streaming DiLoCo's rules on pytrees: which leaves form each fragment,
-what runs after each inner step, and a fragment's send. The library's
-streaming pieces and the outer object under streaming (outer.py) both
-run them.
+what runs after each inner step, a fragment's outer step and its merge.
+The outer object under streaming (outer.py) runs them.
 """
 
 import math
-from typing import NamedTuple
 
 import jax
 import numpy as np
 import optax
 
-from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_mean as island_mean_lib
 from diloco_jax.algorithm import outer_rules
@@ -93,73 +90,21 @@ def check_assignment(params, assignment, num_fragments: int) -> None:
                      f"fragments 0..{num_fragments - 1}, each used")
 
 
-class FragmentSent(NamedTuple):
-  """What `send_fragment` gives: x with the fragment stepped, and the
-  per-fragment outer states, codec state and residuals after it, and which
-  islands took part."""
-  params: object
-  outer_opt_states: tuple
-  codec_state: object
-  residuals: object
-  included: jax.Array
-
-
-def send_fragment(global_params, island_params, outer_opt_states,
-                  codec_state, residuals, assignment, fragment: int,
-                  outer_tx: optax.GradientTransformation, *, weights,
-                  compression, axis_name, key) -> FragmentSent:
-  """A fragment's send on checked arguments (fragment_send's, and the
-  outer object's under streaming): its mean through the codec with its
-  own residuals and codec state, then the outer step of its leaves."""
-  compression = compression_lib.as_compression(compression)
-  select = lambda tree: (None if tree is None else
-                         fragments_lib.select(tree, assignment, fragment))
-  positions = fragments_lib.codec_positions(global_params, compression,
-                                            assignment, fragment)
-  fragment_codec_state = (None if codec_state is None
-                          else tuple(codec_state[i] for i in positions))
-  synced = island_mean_lib.island_mean(
-      select(global_params), select(island_params), weights=weights,
-      residuals=select(residuals), codec_state=fragment_codec_state,
-      compression=compression, axis_name=axis_name, key=key)
-  return step_fragment(global_params, outer_opt_states, codec_state,
-                       residuals, assignment, fragment, outer_tx, synced,
-                       compression)
-
-
-def step_fragment(global_params, outer_opt_states, codec_state, residuals,
-                  assignment, fragment: int,
-                  outer_tx: optax.GradientTransformation,
-                  synced: island_mean_lib.IslandMean,
-                  compression) -> FragmentSent:
-  """A fragment's outer step on its mean formed elsewhere (`send_fragment`'s
-  second half; or a mean decoded from payloads the islands encoded
-  themselves): `synced` is over the fragment's leaves (in leaf order), its
-  residuals those leaves' too, or None."""
-  compression = compression_lib.as_compression(compression)
-  positions = fragments_lib.codec_positions(global_params, compression,
-                                            assignment, fragment)
-  fragment_codec_state = (None if codec_state is None
-                          else tuple(codec_state[i] for i in positions))
-  x, outer_state, kept = outer_rules.fragment_step(
-      outer_tx, fragments_lib.select(global_params, assignment, fragment),
-      outer_opt_states[fragment],
-      (None if fragment_codec_state is None
-       else (fragment_codec_state, synced.codec_state)),
+def step_parts(outer_tx: optax.GradientTransformation,
+               parts: fragments_lib.FragmentParts,
+               synced: island_mean_lib.IslandMean
+               ) -> fragments_lib.FragmentParts:
+  """A fragment's outer step on its parts (fragments.fragment_parts):
+  its leaves of x stepped on `synced`, the islands' mean over those
+  leaves, unless no island took part (then x, the outer state and the
+  codec state stay); the residuals are the mean's."""
+  x, outer_opt_state, codec_state = outer_rules.fragment_step(
+      outer_tx, parts.x, parts.outer_opt_state,
+      (None if parts.codec_state is None
+       else (parts.codec_state, synced.codec_state)),
       synced.mean, synced.anyone)
-  outer_states = list(outer_opt_states)
-  outer_states[fragment] = outer_state
-  if kept is not None:
-    codec_state = list(codec_state)
-    for i, entry in zip(positions, kept):
-      codec_state[i] = entry
-    codec_state = tuple(codec_state)
-  if residuals is not None:
-    residuals = fragments_lib.replace(residuals, assignment, fragment,
-                                      synced.residuals)
-  return FragmentSent(
-      fragments_lib.replace(global_params, assignment, fragment, x),
-      tuple(outer_states), codec_state, residuals, synced.included)
+  return fragments_lib.FragmentParts(x, outer_opt_state, synced.residuals,
+                                     codec_state)
 
 
 def merge_fragment(params, island_params, assignment, fragment: int,

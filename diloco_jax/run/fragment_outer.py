@@ -7,10 +7,8 @@ step run on the outer devices while the islands train, and its merge
 import functools
 
 import jax
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import placement
@@ -23,16 +21,13 @@ class FragmentOuter(OuterSide):
   leaves go out, its collective and outer step run there while the islands
   train, and its merge takes the fragment's x back (`fragment_x`)."""
 
-  def __init__(self, mesh, islands: int, compute_mesh, *,
-               outer_opt: optax.GradientTransformation, sync, compression,
-               fragments: int, fsdp: bool):
+  def __init__(self, mesh, islands: int, compute_mesh, *, outer, sync,
+               fsdp: bool):
     super().__init__(mesh, islands, compute_mesh, fsdp)
-    self._send_parts = fragments_lib.make_send_parts(outer_opt, sync)
-    self._compression = compression_lib.as_compression(compression)
-    self._fragments = fragments
-    # Per fragment, its jitted send, and where its leaves sit among the
-    # params and the codec state (built from the state's layout).
-    self._fragment_sends = self._assignment = self._positions = None
+    self._send_parts = fragments_lib.make_send_parts(outer, sync)
+    self._fragments = outer.overlap.num_fragments
+    # Per fragment, its jitted send; each leaf's fragment (the state's).
+    self._fragment_sends = self._assignment = None
 
   def load(self, state: state_lib.TrainState) -> state_lib.TrainState:
     islands_side = super().load(state)
@@ -46,12 +41,9 @@ class FragmentOuter(OuterSide):
     so a send in flight holds up no other fragment's merge."""
     if self._fragment_sends is not None:
       return
-    params = outer.global_params
-    self._assignment = fragments_lib.leaf_fragments(params, self._fragments)
-    self._positions = [fragments_lib.codec_positions(
-        params, self._compression, self._assignment, p)
-                       for p in range(self._fragments)]
-    shardings = self._outer_shardings(outer)
+    self._assignment = outer.outer.recipe.assignment
+    # The parts' shardings, read off the state's shapes placed on them.
+    placed = placement.with_shardings(outer, self._outer_shardings(outer))
 
     def send(fragment, parts, island_leaves, weights, step):
       return self._send_parts(
@@ -60,12 +52,13 @@ class FragmentOuter(OuterSide):
 
     self._fragment_sends = [
         jax.jit(functools.partial(send, p),
-                out_shardings=self._parts(shardings, p))
+                out_shardings=jax.tree.map(lambda a: a.sharding,
+                                           self._parts(placed, p)))
         for p in range(self._fragments)]
 
   def _parts(self, outer, fragment: int) -> fragments_lib.FragmentParts:
-    return fragments_lib.fragment_parts(outer, self._assignment,
-                                        self._positions[fragment], fragment)
+    return fragments_lib.fragment_parts(outer.global_params, outer.outer,
+                                        fragment)
 
   def compile_in_background(self, state) -> None:
     outer = outer_part(state)
@@ -102,9 +95,9 @@ class FragmentOuter(OuterSide):
                                   fragment), self._on_islands),
         move(weights, self._on_islands),
         move(state.step, NamedSharding(self.mesh, P())))
-    self._outer = fragments_lib.with_fragment_parts(
-        self._outer, self._assignment, self._positions[fragment], fragment,
-        parts)
+    x, outer = fragments_lib.with_fragment_parts(
+        self._outer.global_params, self._outer.outer, fragment, parts)
+    self._outer = self._outer.replace(global_params=x, outer=outer)
     return state
 
   def fragment_x(self, fragment: int) -> list:

@@ -301,17 +301,14 @@ def build(outer_devices, islands: int, compute_mesh,
   streaming = isinstance(algorithm.overlap, outer_overlaps.Streaming)
   if streaming and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
     return stage_fragments.StageFragmentOuter(
-        mesh, islands, compute_mesh, outer_opt=algorithm.outer_tx,
-        compression=algorithm.codec, rounding_seed=rounding_seed,
-        stripes=stripes, fsdp=fsdp)
+        mesh, islands, compute_mesh, outer=algorithm,
+        rounding_seed=rounding_seed, stripes=stripes, fsdp=fsdp)
   sync = island_sync_lib.make_island_sync(
       mesh, algorithm.codec, rounding_seed, stripes=stripes,
       reference_per_island=algorithm.keeps_island_points)
   if streaming:
     return fragment_outer.FragmentOuter(
-        mesh, islands, compute_mesh, outer_opt=algorithm.outer_tx, sync=sync,
-        compression=algorithm.codec,
-        fragments=algorithm.overlap.num_fragments, fsdp=fsdp)
+        mesh, islands, compute_mesh, outer=algorithm, sync=sync, fsdp=fsdp)
   return RoundOuter(mesh, islands, compute_mesh, algorithm=algorithm,
                     sync=sync, inner_opt=inner_opt,
                     restart_dropped=restart_dropped, fsdp=fsdp,

@@ -135,16 +135,15 @@ def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
         inner_opt=spec.inner_opt)}
     if on_device:
       programs["sends"] = stage_fragments.compile_sends(
-          mesh, state, weights, outer_opt=spec.outer_opt,
-          compression=spec.compression, rounding_seed=settings.rounding_seed,
+          mesh, state, weights, outer=spec.outer,
+          rounding_seed=settings.rounding_seed,
           stripes=mesh.shape[mesh_lib.DATA] if fsdp else 1)
     return programs
   programs = {}
   if on_device:
     programs["sends"] = tuple(fragments_lib.make_fragment_send(
-        spec.outer_opt, mesh, num_fragments, p, spec.compression,
-        settings.rounding_seed, fsdp).lower(state, weights).compile()
-                              for p in range(num_fragments))
+        spec.outer, mesh, p, settings.rounding_seed, fsdp).lower(
+            state, weights).compile() for p in range(num_fragments))
   assignment = fragments_lib.leaf_fragments(state.global_params,
                                             num_fragments)
 

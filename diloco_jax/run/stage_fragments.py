@@ -77,23 +77,25 @@ def _shardings(tree):
   return jax.tree.map(lambda a: a.sharding, tree)
 
 
-def _stage_sync(mesh, stage: int, compression, rounding_seed, stripes):
-  return island_sync_lib.make_island_sync(
-      stage_mesh(mesh, stage), compression, rounding_seed, stripes=stripes)
+def _stage_send(outer, mesh, stage: int, rounding_seed, stripes):
+  """Stage `stage`'s send (stage_fragments.make_stage_send) with its
+  collective on the stage's own devices of `mesh`."""
+  return stage_fragments.make_stage_send(
+      outer, island_sync_lib.make_island_sync(
+          stage_mesh(mesh, stage), outer.codec, rounding_seed,
+          stripes=stripes), mesh.shape[mesh_lib.STAGE], stage)
 
 
-def compile_sends(mesh, state, weights, *, outer_opt, compression,
-                  rounding_seed, stripes: int) -> tuple:
+def compile_sends(mesh, state, weights, *, outer, rounding_seed,
+                  stripes: int) -> tuple:
   """Per stage, send(state, weights) -> state on the compute devices of
-  `mesh`, compiled from the (abstract) staged `state` and `weights`."""
-  stages = mesh.shape[mesh_lib.STAGE]
+  `mesh`, compiled from the (abstract) staged `state` and `weights`;
+  `outer` is the run's outer object."""
   sends = []
-  for s in range(stages):
+  for s in range(mesh.shape[mesh_lib.STAGE]):
     parts = outer_parts(state, s)
     program = jax.jit(
-        stage_fragments.make_stage_send(
-            outer_opt, _stage_sync(mesh, s, compression, rounding_seed,
-                                   stripes), stages, s),
+        _stage_send(outer, mesh, s, rounding_seed, stripes),
         donate_argnums=0, out_shardings=_shardings(parts))
     sends.append(functools.partial(_send, program.lower(
         parts, stage_part(state.island_params, s), stage_part(weights, s),
@@ -147,16 +149,12 @@ class StageFragmentOuter(OuterSide):
   stage's x back (`fragment_x`). No outer device holds more than one
   stage."""
 
-  def __init__(self, mesh, islands: int, compute_mesh, *,
-               outer_opt: optax.GradientTransformation, compression,
+  def __init__(self, mesh, islands: int, compute_mesh, *, outer,
                rounding_seed: int | None, stripes: int, fsdp: bool):
     super().__init__(mesh, islands, compute_mesh, fsdp)
     self._stages = mesh.shape[mesh_lib.STAGE]
-    self._programs = [
-        stage_fragments.make_stage_send(
-            outer_opt, _stage_sync(mesh, s, compression, rounding_seed,
-                                   stripes), self._stages, s)
-        for s in range(self._stages)]
+    self._programs = [_stage_send(outer, mesh, s, rounding_seed, stripes)
+                      for s in range(self._stages)]
     self._compiled = None
 
   def _on_stage(self, stage: int, spec=P()) -> NamedSharding:
