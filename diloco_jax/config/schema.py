@@ -85,6 +85,14 @@ def base_config() -> ml_collections.ConfigDict:
           # True: island i runs only on a Ray node started with
           # --resources='{"diloco_island_i": 1}' (docs/elastic.md).
           "pin_islands": False,
+          # > 0 (as root): each island its own Ray node in a network
+          # namespace of its own on this machine, its link to the
+          # coordinator shaped to link_mbit Mbit/s each way (tc tbf) with
+          # link_delay_ms of delay each way (tc netem, where the kernel has
+          # it): the run as it would go over such a link
+          # (elastic/island_nodes.py, docs/elastic.md).
+          "link_mbit": 0.0,
+          "link_delay_ms": 0.0,
       }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged

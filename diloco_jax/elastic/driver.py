@@ -24,6 +24,7 @@ from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import fleet as fleet_lib
+from diloco_jax.elastic import island_nodes
 from diloco_jax.elastic import membership
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import ray_watch
@@ -51,6 +52,12 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
   finished already (its last round checkpointed, its summary written) is
   left as it is: its summary is returned, with ALREADY_FINISHED: True."""
   settings = settings_lib.check(run_config)
+  if settings.link_mbit and ray_address is not None:
+    raise problems_lib.ConfigError(
+        f"config.elastic.link_mbit={settings.link_mbit:g} with "
+        f"--ray_address={ray_address!r}: shaped links put each island on a "
+        "Ray node this run starts on this machine; leave --ray_address out, "
+        "or shape the links between your cluster's hosts yourself")
   if ray_address not in (None, "auto"):
     settings_lib.check_answers(ray_address)
   claim = workdir_lib.claim(str(pathlib.Path(workdir).resolve()),
@@ -69,22 +76,38 @@ def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
   # Ray starts its processes by forking: before this process starts JAX's
   # threads (forking a multithreaded process can deadlock the child).
   started_ray = not ray.is_initialized()
-  watch = None
+  watch = nodes = None
   if started_ray:
-    # Pinned islands on this run's own Ray: this node offers every slot.
+    if settings.link_mbit:  # each island its own node behind its link
+      nodes = island_nodes.IslandNodes(run_config.islands, settings.link_mbit,
+                                       settings.link_delay_ms).create()
+    # Pinned islands on this run's own Ray: this node offers every slot
+    # (but those of island nodes).
     own = ({fleet_lib.island_resource(i): 1
             for i in range(run_config.islands)}
-           if settings.pin_islands and ray_address is None else None)
-    ray.init(address=ray_address, include_dashboard=False,
-             configure_logging=False, resources=own)
+           if settings.pin_islands and ray_address is None and nodes is None
+           else None)
+    try:
+      # "local": a Ray of this run's own, never one a `ray start` on this
+      # machine left in /tmp/ray/ray_current_cluster (Ray's default).
+      ray.init(address=ray_address or "local", include_dashboard=False,
+               configure_logging=False, resources=own,
+               _node_ip_address=None if nodes is None else nodes.head_address)
+    except BaseException:
+      if nodes is not None:
+        nodes.close()
+      raise
     if ray_address is None:
       # This run's own Ray: every process of it ends within a second of
       # this one, however this one ends (ray_watch.py).
       context = ray.get_runtime_context()
-      watch = ray_watch.start(os.path.join(context.get_temp_dir(),
-                                           context.get_session_name()))
+      watch = ray_watch.start(
+          os.path.join(context.get_temp_dir(), context.get_session_name()),
+          *(() if nodes is None else (nodes.nodes_dir, nodes.network.ns)))
   coordinator = None
   try:
+    if nodes is not None:
+      nodes.join(ray.get_runtime_context().gcs_address)
     unplaceable = (fleet_lib.unplaceable_islands(run_config.islands)
                    if settings.pin_islands else [])
     if unplaceable:
@@ -99,12 +122,14 @@ def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
     coordinator = coordinator_lib.Coordinator(run_config, workdir)
     resumed = coordinator.restore()
     return _train(run_config, settings, coordinator,
-                  _evaluator(run_config), workdir, resumed)
+                  _evaluator(run_config), workdir, resumed, links=nodes)
   finally:
     if coordinator is not None:
       coordinator.close()
     if started_ray:
       ray.shutdown()
+    if nodes is not None:
+      nodes.close()
     if watch is not None:
       ray_watch.stop(watch)
 
@@ -167,7 +192,7 @@ def _restored_tally(coordinator, metrics_path: str) -> _Tally:
 
 
 def _train(run_config, settings, coordinator, evaluate, workdir,
-           resumed) -> dict:
+           resumed, links=None) -> dict:
   slots = run_config.islands
   # Each round's last step: every H steps, or under streaming each
   # fragment's send (round_steps.py).
@@ -218,6 +243,8 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
                     # Which process each member is: pid, host, IP, Ray
                     # node, restarts.
                     processes=fleet.processes)
+      if links is not None:  # behind shaped links: what crossed them so far
+        record["link_bytes"] = links.link_bytes()
       if round_number == rounds:
         # The mean still in flight applied, or eager islands settled,
         # before the last round's eval (as the SPMD runs do); checkpointed

@@ -40,12 +40,16 @@ _SWEEP_S = 1.0
 _SHUT_DOWN = b"shut down\n"
 
 
-def start(session_dir: str) -> subprocess.Popen:
+def start(session_dir: str, nodes_dir: str = "",
+          namespaces=()) -> subprocess.Popen:
   """Starts the watch of the Ray session in `session_dir` (this process's
-  Ray, started by this process); its process. Keep it until `stop`."""
+  Ray, started by this process); its process. Keep it until `stop`.
+  `nodes_dir`: where the run's other Ray nodes on this machine keep their
+  sessions (island_nodes.py), whose processes end too; `namespaces`: the
+  network namespaces they run in, removed after."""
   return subprocess.Popen(
       [sys.executable, "-I", os.path.abspath(__file__), session_dir,
-       str(os.getpid())],
+       str(os.getpid()), nodes_dir, *namespaces],
       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL, cwd="/", start_new_session=True)
 
@@ -61,13 +65,14 @@ def stop(watch: subprocess.Popen, timeout: float = 10.0) -> None:
     watch.kill()
 
 
-def session_processes(session_dir: str, spare: int | None = None
-                      ) -> list[int]:
-  """The pids of the processes holding a file under `session_dir` open
-  for writing (those of a Ray session: each writes its logs there; so does
-  the driver that started it; a reader, `tail -f` of a log, is not one),
-  this one and `spare` aside."""
-  prefix = os.path.join(os.path.abspath(session_dir), "")
+def session_processes(session_dir: str, spare: int | None = None,
+                      nodes_dir: str = "") -> list[int]:
+  """The pids of the processes holding a file under `session_dir` (or
+  `nodes_dir`) open for writing (those of a Ray session: each writes its
+  logs there; so does the driver that started it; a reader, `tail -f` of
+  a log, is not one), this one and `spare` aside."""
+  prefix = tuple(os.path.join(os.path.abspath(d), "")
+                 for d in (session_dir, nodes_dir) if d)
   spared = {os.getpid(), spare}
   found = []
   for name in os.listdir("/proc"):
@@ -98,13 +103,14 @@ def _writes(fdinfo: str) -> bool:
   return False
 
 
-def _kill_session(session_dir: str, coordinator: int, sweep_s: float
-                  ) -> None:
+def _kill_session(session_dir: str, coordinator: int, sweep_s: float,
+                  nodes_dir: str = "") -> None:
   """SIGKILLs the session's processes but the coordinator (alive after
   `stop`) until none is left and `sweep_s` seconds passed."""
   deadline = time.monotonic() + sweep_s
   while True:
-    pids = session_processes(session_dir, spare=coordinator)
+    pids = session_processes(session_dir, spare=coordinator,
+                             nodes_dir=nodes_dir)
     for pid in pids:
       try:
         os.kill(pid, signal.SIGKILL)
@@ -115,7 +121,8 @@ def _kill_session(session_dir: str, coordinator: int, sweep_s: float
     time.sleep(0.1)
 
 
-def _main(session_dir: str, coordinator: int) -> None:
+def _main(session_dir: str, coordinator: int, nodes_dir: str = "",
+          namespaces=()) -> None:
   for sig in (signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN)
   # Blocks until the coordinator closes its end: by stop(), or by ending.
@@ -129,8 +136,11 @@ def _main(session_dir: str, coordinator: int) -> None:
       break
     said += read
   _kill_session(session_dir, coordinator,
-                0.0 if said == _SHUT_DOWN else _SWEEP_S)
+                0.0 if said == _SHUT_DOWN else _SWEEP_S, nodes_dir)
+  for namespace in namespaces:  # gone already after a normal end
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True,
+                   check=False)
 
 
 if __name__ == "__main__":
-  _main(sys.argv[1], int(sys.argv[2]))
+  _main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4], sys.argv[4:])

@@ -3,11 +3,13 @@ settings elastic islands do not run yet refused, each in one line before
 Ray or any compile starts."""
 
 import dataclasses
+import os
 import socket
 
 from diloco_jax.algorithm import participation
 from diloco_jax.config import problems as problems_lib
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.elastic import netns
 from diloco_jax.elastic import speeds as speeds_lib
 
 
@@ -46,6 +48,8 @@ class ElasticSettings:
   speeds: tuple[float, ...] = ()
   pin_islands: bool = False
   kill_after: tuple[tuple[int, int], ...] = ()
+  link_mbit: float = 0.0
+  link_delay_ms: float = 0.0
 
 
 # (setting, the value elastic islands need, why) for what they do not run
@@ -144,10 +148,42 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
     raise problems_lib.ConfigError(
         f"config.elastic.pin_islands={elastic.pin_islands!r} must be True "
         "or False")
+  link_mbit, link_delay_ms = _link(elastic)
   return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
                          float(slow_seconds), stale, elastic.round_budget,
                          speeds, kill_after=kill_after,
-                         pin_islands=elastic.pin_islands)
+                         pin_islands=elastic.pin_islands or link_mbit > 0,
+                         link_mbit=link_mbit, link_delay_ms=link_delay_ms)
+
+
+def _link(elastic) -> tuple[float, float]:
+  """(link_mbit, link_delay_ms) of config.elastic, checked: numbers >= 0,
+  a delay only on a shaped link, and the shaping's needs (root; netem for
+  a delay) met on this machine."""
+  values = {}
+  for name in ("link_mbit", "link_delay_ms"):
+    value = elastic[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 <= value < float("inf")):
+      raise problems_lib.ConfigError(
+          f"config.elastic.{name}={value!r} must be a number >= 0")
+    values[name] = float(value)
+  mbit, delay = values["link_mbit"], values["link_delay_ms"]
+  if delay and not mbit:
+    raise problems_lib.ConfigError(
+        f"config.elastic.link_delay_ms={delay:g} needs a shaped link: set "
+        "config.elastic.link_mbit too")
+  if mbit and os.geteuid() != 0:
+    raise problems_lib.ConfigError(
+        f"config.elastic.link_mbit={mbit:g} puts each island behind a "
+        "shaped link in a network namespace of its own, which needs root: "
+        "run the command as root, or leave config.elastic.link_mbit at 0")
+  if delay and not netns.netem_available():
+    raise problems_lib.ConfigError(
+        f"config.elastic.link_delay_ms={delay:g} needs tc's netem, which "
+        "this kernel lacks (modprobe sch_netem): leave the delay at 0 for a "
+        "rate-limited link alone")
+  return mbit, delay
 
 
 def _kills(spec: str, islands: int) -> tuple[tuple[tuple[int, int], ...],

@@ -1,0 +1,149 @@
+"""Elastic islands on Ray nodes of their own, behind shaped links
+(config.elastic.link_mbit, elastic/island_nodes.py): each island's node in
+a network namespace of its own, joined to the coordinator's by a bridge,
+every byte between them through a tbf-limited veth; everything made is
+gone after the run, and after the coordinator's SIGKILL.
+
+The runs start inside a loopback-only namespace of the test's own
+(test_elastic.namespace), so the bridge and the island namespaces hang off
+it and nothing reaches the machine's own network."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from diloco_jax.config import problems
+from diloco_jax.elastic import driver
+from diloco_jax.elastic import netns
+from diloco_jax.elastic import settings as settings_lib
+from tests import test_elastic
+
+_config = test_elastic._config  # pylint: disable=protected-access
+_run_config = test_elastic._run_config  # pylint: disable=protected-access
+_records = test_elastic._records  # pylint: disable=protected-access
+namespace = test_elastic.namespace
+
+# A model whose sync (1.2 MB of fp32 each way per island) is many times
+# tbf's 64 kB burst, so the link's rate shows in every round.
+_MODEL = {"model.d_model": 128, "model.num_heads": 4, "model.head_dim": 32,
+          "model.mlp_dim": 512, "model.num_layers": 2}
+_MBIT = 10.0
+
+
+def _namespaces() -> set[str]:
+  return set(subprocess.run(["ip", "netns", "list"], capture_output=True,
+                            text=True).stdout.split())
+
+
+def _nodes_dirs() -> set[str]:
+  """The island nodes' Ray directories (island_nodes.IslandNodes)."""
+  return {d for d in os.listdir("/tmp")
+          if d.startswith("dj") and d.endswith("nodes")}
+
+
+def _flags(overrides: dict) -> list[str]:
+  return [f"--config.{name}={value}" for name, value in overrides.items()]
+
+
+def test_islands_run_on_nodes_of_their_own_behind_shaped_links(
+    namespace, tmp_path):
+  """Two islands, each on a Ray node in its own namespace behind a 10
+  Mbit/s link: each island's records name its own node and address on the
+  bridge; no round is shorter than its bytes at the link's rate; nothing
+  the run made is left."""
+  before, dirs_before = _namespaces(), _nodes_dirs()
+  workdir = tmp_path / "run"
+  test_elastic._elastic(  # pylint: disable=protected-access
+      namespace, workdir, *_flags({**_MODEL, "elastic.link_mbit": _MBIT}))
+  records = _records(workdir)
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert len(records) == 3 and summary["goodput"] == 1.0
+  for record in records:
+    processes = record["processes"]
+    ips = [processes[str(i)]["ip"] for i in range(2)]
+    nodes = {processes[str(i)]["node"] for i in range(2)}
+    # Island i's node holds SUBNET.(i + 2); the head SUBNET.1.
+    assert [ip.rsplit(".", 1)[1] for ip in ips] == ["2", "3"], ips
+    assert ips[0].rsplit(".", 1)[0] == ips[1].rsplit(".", 1)[0]
+    assert len(nodes) == 2
+  # Each island's params went up its own link (tbf lets a 64 kB burst
+  # through at once, then the rate): a round that took less than that
+  # would mean the bytes did not cross the shaped link.
+  up_bytes = summary["ray_bytes"] / (len(records) * 2)
+  floor_s = (up_bytes - 64 * 1024) * 8 / (_MBIT * 1e6)
+  assert floor_s > 0.5
+  for record in records[1:]:  # the first round holds compiles as well
+    assert record["round_seconds"] >= floor_s, (record, floor_s)
+  assert _namespaces() == before
+  assert _nodes_dirs() == dirs_before
+
+
+def test_a_killed_coordinator_takes_its_island_nodes_with_it(
+    namespace, tmp_path):
+  """SIGKILL the coordinator mid-run: its watch ends the island nodes'
+  Ray processes and removes their namespaces within seconds."""
+  before = _namespaces()
+  workdir = tmp_path / "run"
+  run = test_elastic._elastic(  # pylint: disable=protected-access
+      namespace, workdir, *_flags({**_MODEL, "elastic.link_mbit": _MBIT,
+                                   "total_steps": 400}), wait=False)
+  try:
+    deadline = time.monotonic() + 300
+    while not (workdir / "metrics.jsonl").exists():
+      assert run.poll() is None, run.stdout.read()[-3000:]
+      assert time.monotonic() < deadline
+      time.sleep(0.5)
+    made = _namespaces() - before
+    assert len(made) == 2, made
+    coordinator = _coordinator_pid(namespace)
+    os.kill(coordinator, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while _namespaces() & made:
+      assert time.monotonic() < deadline, _namespaces() & made
+      time.sleep(0.2)
+  finally:
+    run.kill()
+    run.wait()
+
+
+def _coordinator_pid(namespace) -> int:
+  """The elastic coordinator's process in the test's namespace."""
+  for pid in subprocess.run(["ip", "netns", "pids", namespace.name],
+                            capture_output=True, text=True).stdout.split():
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if b"diloco_jax.elastic\0" in f.read():
+          return int(pid)
+    except OSError:
+      continue
+  raise AssertionError("no coordinator process in the namespace")
+
+
+def test_shaped_links_need_root_and_a_run_of_their_own(monkeypatch):
+  """Each refusal is one line, before Ray or any write."""
+  config = _config(**{"elastic.link_mbit": 10.0})
+  monkeypatch.setattr(os, "geteuid", lambda: 1000)
+  with pytest.raises(problems.ConfigError,
+                     match=r"link_mbit=10 .* needs root") as error:
+    settings_lib.check(_run_config(config))
+  assert "\n" not in str(error.value)
+  monkeypatch.undo()
+  with pytest.raises(problems.ConfigError, match="leave --ray_address out"):
+    driver.run(_run_config(config), "/nonexistent/never-written",
+               ray_address="127.0.0.1:1")
+  monkeypatch.setattr(netns, "netem_available", lambda: False)
+  with pytest.raises(problems.ConfigError, match="needs tc's netem"):
+    settings_lib.check(_run_config(_config(**{
+        "elastic.link_mbit": 10.0, "elastic.link_delay_ms": 20.0})))
+  for overrides, message in (
+      ({"elastic.link_delay_ms": 20.0}, "needs a shaped link"),
+      ({"elastic.link_mbit": -1.0}, "link_mbit=-1.0 must be a number"),
+      ({"elastic.link_mbit": float("inf")}, "must be a number >= 0")):
+    with pytest.raises(problems.ConfigError, match=message):
+      settings_lib.check(_run_config(_config(**overrides)))
+  settings = settings_lib.check(_run_config(config))
+  assert settings.link_mbit == 10.0 and settings.pin_islands
