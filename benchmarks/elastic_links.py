@@ -12,8 +12,8 @@ tc's tbf), the whole run inside a loopback-only namespace of its own.
 The first rate is the reference: fast enough that the link costs nothing
 measurable, it gives the step time.
 
-Per run: the steady round (the median of rounds 2 to R, round 1 holding
-the compiles); util, H x step / round, with the step time the reference
+Per run: the steady round (the median time from one round's close to the
+next, rounds 3 to R: round 1 holds the compiles); util, H x step / round, with the step time the reference
 run's median seconds per step; what one island sent up per round (its
 params through Ray, the summary's ray_bytes) and got back (x, as many
 bytes in float32) and what crossed island 0's link both ways (the
@@ -22,7 +22,9 @@ star round
 (analysis/star_channel.star_timing: H steps, then the gather and the
 broadcast at the link's rate; the coordinator's own link is not shaped,
 so the islands' links set the pace) with its utilization and the error
-of the measured round against it.
+of the measured round against it. Under the one-step delay the rounds
+are pipelined (config.elastic.overlap_rounds): the model's round is then
+the longer of the compute and the exchange.
 """
 
 import json
@@ -89,7 +91,12 @@ def _step_seconds(run: dict) -> float:
 
 def _row(run: dict, step_s: float, inner_steps: int) -> dict:
   records, islands = run["records"], len(run["records"][0]["members"])
-  round_s = float(np.median([r["round_seconds"] for r in records[1:]]))
+  # A round's time from the close before it to its own (the coordinator's
+  # step, evals and checkpoints in between count: pipelined islands train
+  # through them, blocked ones wait).
+  round_s = float(np.median([b["closed_at"] - a["closed_at"]
+                             for a, b in zip(records[1:], records[2:])]))
+  pipelined = bool(records[-1].get("pipelined"))
   up = run["summary"]["ray_bytes"] / (len(records) * islands)
   workload = nm.Workload(mode="diloco", islands=islands,
                          inner_steps=inner_steps, step_time_s=step_s,
@@ -99,16 +106,21 @@ def _row(run: dict, step_s: float, inner_steps: int) -> dict:
   model = star_channel.star_timing(
       star_channel.Star(up, up, coordinator_bits_per_s=1e15), workload,
       nm.Link(run["mbit"] * 1e6))
+  # Pipelined rounds (the one-step delay) hide the exchange behind the
+  # next round's compute: a round takes the longer of the two.
+  model_round_s = (max(model.compute_s, model.stall_s) if pipelined
+                   else model.round_s)
   # What crossed island 0's link per steady round, both ways (the
   # bridge's end of its veth), against what the model sends.
   first, last = records[1]["link_bytes"]["0"], records[-1]["link_bytes"]["0"]
   link = sum(last[d] - first[d] for d in ("up", "down")) / (
       len(records) - 2)
-  return {"mbit": run["mbit"], "round_s": round(round_s, 3),
+  return {"mbit": run["mbit"], "pipelined": pipelined,
+          "round_s": round(round_s, 3),
           "util": round(inner_steps * step_s / round_s, 3),
-          "model_round_s": round(model.round_s, 3),
-          "model_util": round(model.utilization, 3),
-          "error": round(round_s / model.round_s - 1, 3),
+          "model_round_s": round(model_round_s, 3),
+          "model_util": round(model.compute_s / model_round_s, 3),
+          "error": round(round_s / model_round_s - 1, 3),
           "up_mb_per_round": round(up / 1e6, 3),
           "link_mb_per_round": round(link / 1e6, 3),
           "wall_s": round(run["wall_s"], 1),

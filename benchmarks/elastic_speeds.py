@@ -17,6 +17,9 @@ every inner step takes 1/speed as long):
   time     rounds budgeted in time (config.elastic.round_budget='time'):
            each island takes as many steps as fit in the fastest's H,
            weighted by its tokens.
+  time_delay  the same under the one-step delay (its measured outer
+           step, lr 0.8, momentum 0), its rounds pipelined: each island's
+           next call is sent while its round runs.
   equal    every island at the fastest's speed, config.total_steps set
            so that the run trains the tokens the 'time' run trained.
            (The 'wait' run computes what equal islands compute at the
@@ -64,7 +67,8 @@ _SPEEDS = flags.DEFINE_string("speeds", "1,1,0.5,0.25",
 _EXTRA = flags.DEFINE_list("extra_flags", [],
                            "More --config.* flags for every run.")
 _OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
-_RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "equal"],
+_RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "time_delay",
+                                   "equal"],
                           "Which runs ('equal' needs 'time').")
 
 
@@ -111,9 +115,16 @@ def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
   possible = sum(round_seconds / s for s in speed.values())
   run_steps = sum(r["island_steps"]["run"] for r in timed)
   applied = sum(r["island_steps"]["applied"] for r in records)
+  # The same over the wall time from round 1's close to the last's (the
+  # time between rounds counted: pipelined islands train through it,
+  # blocked ones wait).
+  wall = records[-1]["closed_at"] - records[0]["closed_at"]
+  possible_wall = sum(wall / s for s in speed.values())
   return {"run": run["name"],
           "compute_used": sum(r["island_steps"]["applied"]
                               for r in timed) / possible,
+          "compute_used_wall": sum(r["island_steps"]["applied"]
+                                   for r in timed) / possible_wall,
           "compute_run": run_steps / possible,
           "seconds_per_step": speed,
           "island_steps_run": sum(r["island_steps"]["run"] for r in records),
@@ -147,7 +158,13 @@ def main(argv):
       "wait": slowed,
       "quorum": [*slowed, f"--config.elastic.min_islands={max(1, islands - 2)}",
                  "--config.elastic.grace_seconds=0"],
-      "time": [*slowed, "--config.elastic.round_budget=time"]}
+      "time": [*slowed, "--config.elastic.round_budget=time"],
+      # Time-budgeted and pipelined: the one-step delay at its measured
+      # outer step, each island's next call sent while its round runs.
+      "time_delay": [*slowed, "--config.elastic.round_budget=time",
+                     "--config.diloco.overlap=one_step_delay",
+                     "--config.diloco.outer_optimizer.learning_rate=0.8",
+                     "--config.diloco.outer_optimizer.momentum=0.0"]}
   knob = [float(s) for s in speeds.split(",")]
   rows = [_row(_run(name, run_flags), tokens_per_step, knob)
           for name, run_flags in slowed_runs.items() if name in _RUNS.value]
@@ -171,7 +188,7 @@ def main(argv):
 def _print(rows) -> None:
   """The table (and --out)."""
   losses = {row["run"]: row["final_eval_loss"] for row in rows}
-  print(f"{'run':8} {'used':>6} {'run':>6} {'steps run':>9} "
+  print(f"{'run':10} {'used':>6} {'wall':>6} {'run':>6} {'steps run':>9} "
         f"{'applied':>8} {'tokens':>9} {'rounds s':>9} {'wall s':>7} "
         f"{'eval loss':>9} {'vs equal':>8} {'vs wait':>8}")
   for row in rows:
@@ -181,8 +198,8 @@ def _print(rows) -> None:
     row.update(loss_vs_equal=versus["equal"], loss_vs_wait=versus["wait"])
     shown = {name: "" if v is None else f"{v:+.2%}"
              for name, v in versus.items()}
-    print(f"{row['run']:8} {row['compute_used']:6.3f} "
-          f"{row['compute_run']:6.3f} "
+    print(f"{row['run']:10} {row['compute_used']:6.3f} "
+          f"{row['compute_used_wall']:6.3f} {row['compute_run']:6.3f} "
           f"{row['island_steps_run']:9d} {row['island_steps_applied']:8d} "
           f"{row['tokens']:9d} {row['round_seconds']:9.1f} "
           f"{row['wall_s']:7.1f} {row['final_eval_loss']:9.4f} "

@@ -220,6 +220,12 @@ def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
 _OVERLAP_RUNS = {
     "one_step_delay": ({"diloco.overlap": "one_step_delay",
                         "diloco.codec": "fp32"}, 1e-5),
+    # Pipelined rounds (each island's next call sent ahead) with int8
+    # and error feedback encoded on each island (one quantization where
+    # the SPMD ring quantizes twice, as for streaming_delayed below).
+    "one_step_delay_int8": ({"diloco.overlap": "one_step_delay",
+                             "diloco.codec": "int8",
+                             "diloco.error_feedback": True}, 1e-4),
     "one_step_delay_rebase": ({"diloco.overlap": "one_step_delay_rebase",
                                "diloco.codec": "int8",
                                "diloco.error_feedback": True}, 1e-5),
@@ -273,6 +279,29 @@ def test_every_overlap_runs_elastic_and_survives_a_kill(overlap, namespace,
       [[1, 1], [1, 0]] + [[1, 1]] * (rounds - 2))
   assert _summary(killed)["final_eval_loss"] == pytest.approx(
       summary["final_eval_loss"], rel=0.02)
+
+
+def test_delayed_rounds_overlap_the_round_before_them(namespace, tmp_path):
+  """Under the one-step delay each island's next call is sent while its
+  round runs (config.elastic.overlap_rounds, on by default): every
+  island begins round r + 1 before round r has closed, where with the
+  setting off it begins after. Both compute the same run: x's start of a
+  round is known a round early (outer.land), so only the time moves."""
+  flags = ["--config.diloco.overlap=one_step_delay"]
+  ahead, blocked = str(tmp_path / "ahead"), str(tmp_path / "blocked")
+  _elastic(namespace, ahead, *flags)
+  _elastic(namespace, blocked, *flags, "--config.elastic.overlap_rounds=false")
+  for workdir, overlapped in ((ahead, True), (blocked, False)):
+    records = _records(workdir)
+    assert [r["pipelined"] for r in records] == [overlapped] * 3
+    for last, this in zip(records, records[1:]):
+      assert len(this["started_at"]) == 2
+      for started in this["started_at"].values():
+        assert (started < last["closed_at"]) == overlapped, (last, this)
+  # The same outer steps in programs jitted apart (land alone, and within
+  # the whole update): equal up to float32 rounding of x.
+  assert [r.get("eval_loss") for r in _records(ahead)] == pytest.approx(
+      [r.get("eval_loss") for r in _records(blocked)], rel=1e-6)
 
 
 def test_an_address_that_does_not_answer_is_one_line(tmp_path):

@@ -157,7 +157,8 @@ def test_a_pinned_island_no_node_offers_is_one_line(tmp_path):
   # A cluster of this test's own on 127.0.0.1, whose one node offers
   # island 0's slot and not island 1's.
   ray.init(address="local", num_cpus=1, include_dashboard=False,
-           configure_logging=False, _node_ip_address="127.0.0.1", resources={"diloco_island_0": 1})
+           configure_logging=False, _node_ip_address="127.0.0.1",
+           resources={"diloco_island_0": 1})
   try:
     with pytest.raises(problems.ConfigError,
                        match=r"no node of the Ray cluster offers "

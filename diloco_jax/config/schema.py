@@ -93,6 +93,11 @@ def base_config() -> ml_collections.ConfigDict:
           # (elastic/island_nodes.py, docs/elastic.md).
           "link_mbit": 0.0,
           "link_delay_ms": 0.0,
+          # Under the one-step delay (config.diloco.overlap=
+          # 'one_step_delay'), send each round's calls while the round
+          # before it runs, so the islands train on while the mean is on
+          # its way (False: each round waits for the last to close).
+          "overlap_rounds": True,
       }),
       # For tests: 'ISLAND@ROUND' sets that island's params to NaN at the
       # start of that (1-based) round, to exercise the exclusion of diverged

@@ -25,6 +25,7 @@ from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import library
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import outer as outer_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.elastic import payloads
 from diloco_jax.elastic import round_steps
@@ -82,6 +83,7 @@ class Coordinator:
     self._update = jax.jit(outer.update, static_argnames="fragment")
     self._apply = jax.jit(outer.apply, static_argnames="fragment")
     self._finish = jax.jit(outer.finish)
+    self._land = jax.jit(outer.land)
     self._model = jax.jit(outer.model)
     self._checkpoints = ocp.CheckpointManager(
         pathlib.Path(workdir).resolve() / "coordinator",
@@ -91,6 +93,21 @@ class Coordinator:
   def shared_start(self) -> bool:
     """Whether every island starts its next round from x."""
     return not self._own_starts
+
+  @property
+  def starts_early(self) -> bool:
+    """Whether the x a round starts from is known a round early: under
+    the one-step delay (without rebase) round r + 2 starts from x with
+    round r's mean applied, known once round r closed."""
+    return (isinstance(self._outer.overlap, outer_overlaps.OneStepDelay)
+            and not self._own_starts)
+
+  def early_start(self):
+    """Under `starts_early`, with rounds 1..r closed: the x round r + 2
+    starts from (x with the mean in flight applied, `outer.land`: what
+    closing round r + 1 will make x, before its own mean)."""
+    x, _ = self._land(self.x, self._state)
+    return jax.device_get(x)
 
   def start(self, island: int):
     """What `island` starts its next round from: x, or its own point."""

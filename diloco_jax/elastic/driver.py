@@ -208,6 +208,12 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   tally = _restored_tally(coordinator, metrics_path)
   # Where each island ran last, over the run's commands.
   nodes = dict((coordinator.counters or {}).get("island_nodes", {}))
+  # Pipelined rounds (one-step delay): each round's calls are sent while
+  # the round before it runs (fleet.start_ahead); ahead_plan is the
+  # time-budgeted steps they were sent with (False: none sent ahead).
+  pipelined = bool(coordinator.starts_early and settings.overlap_rounds
+                  and not settings.stale_rounds)
+  ahead_plan = False
   with open(metrics_path, "a") as metrics:
     while coordinator.rounds_done < rounds:
       round_number = coordinator.rounds_done + 1
@@ -218,9 +224,19 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
         logging.warning("%s", problem)
       joined, left = fleet.set_members(members)
       starts = _start_refs(coordinator, members)
-      island_steps = round_steps_of.plan(fleet, starts, steps)
+      island_steps = (ahead_plan if ahead_plan is not False
+                      else round_steps_of.plan(fleet, starts, steps))
       calls = fleet.start_round(starts, round_number, coordinator.data_states,
                                 steps, first_step, island_steps)
+      ahead_plan = False
+      if pipelined and round_number < rounds:
+        # The next round's calls now, queued behind this one's: each
+        # island goes on without waiting for the round to close.
+        next_steps = ends[round_number] - ends[round_number - 1]
+        ahead_plan = round_steps_of.plan(fleet, starts, next_steps)
+        fleet.start_ahead(ray.put(coordinator.early_start()),
+                          round_number + 1, next_steps,
+                          ends[round_number - 1], ahead_plan)
       came_back = quorum.collect(calls, settings.min_islands,
                                  settings.grace_seconds)
       included = coordinator.close_round(came_back.results, round_number)
@@ -237,6 +253,7 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       record = _round_record(round_number, first_step + steps, included,
                              came_back)
       record.update(members=members, joined=joined, left=left,
+                    pipelined=pipelined,
                     island_steps={"run": run_steps, "applied": applied_steps},
                     seconds_per_step={i: round(s, 6) for i, s in
                                       round_steps_of.seconds_per_step.items()},
@@ -339,7 +356,12 @@ def _round_record(round_number: int, step: int, included: np.ndarray,
                       for i, r in came_back.results.items()},
       "stale": {i: round_number - r["round"]
                 for i, r in came_back.results.items()
-                if included[i] and r["round"] < round_number}}
+                if included[i] and r["round"] < round_number},
+      # When each result's call began, and when the round closed (its
+      # outer step taken; wall clock).
+      "started_at": {i: r.get("started_at")
+                     for i, r in came_back.results.items()},
+      "closed_at": time.time()}
   logging.info("round %d: islands %s took part%s%s", round_number,
                record["included"],
                f"; failed {sorted(came_back.failed)}" if came_back.failed

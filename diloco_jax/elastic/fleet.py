@@ -40,6 +40,9 @@ class Fleet:
     self._hosts = {}  # Ray node id -> its host name
     self.calls = {}  # this round's calls: ObjectRef -> island
     self._started = {}  # ObjectRef -> the round its call trains
+    # island -> its call for the next round, sent before this one closed
+    # (pipelined rounds: `start_ahead`).
+    self._ahead = {}
 
   def set_members(self, members: list[int]) -> tuple[list[int], list[int]]:
     """Starts a process for each slot that joins and ends the process of
@@ -49,6 +52,7 @@ class Fleet:
     left = [i for i in self._programs if i not in members]
     for i in left:
       ray.kill(self._programs.pop(i))
+      self._ahead.pop(i, None)
       self._rejoining.discard(i)
       self._restarts.pop(i, None)
       self._pids.pop(i, None)
@@ -68,8 +72,11 @@ class Fleet:
     whose late result counts in this one."""
     self.calls = {ref: i for i, (ref, _) in self._in_flight.items()}
     self._started = {ref: r for ref, r in self._in_flight.values()}
+    for i, ref in self._ahead.items():
+      self.calls[ref], self._started[ref] = i, round_number
+    self._ahead = {}
     for i in self._programs:
-      if i not in self._in_flight:
+      if i not in self._in_flight and i not in self.calls.values():
         ref = _train_call(self._programs[i], self._restarting(i)).remote(
             starts[i], round_number, data_states[i],
             steps if island_steps is None else island_steps.get(i, steps),
@@ -77,6 +84,28 @@ class Fleet:
             island_steps is not None)
         self.calls[ref], self._started[ref] = i, round_number
     return self.calls
+
+  def start_ahead(self, start, round_number: int, steps: int,
+                  first_step: int,
+                  island_steps: dict[int, int] | None = None) -> None:
+    """Pipelined rounds: each member's call for round `round_number`, sent
+    while the round before it still runs. Ray queues it behind the
+    island's current call, so the island starts it the moment that one
+    ends, while its result travels and the round closes. It starts from
+    `start` (x as the round will start from it, known a round early
+    under the one-step delay) and goes on from where the island's stream
+    and residual stand after its current call: `settle` takes it back
+    (cancelled) from an island whose current call does not reach x, and
+    that island gets a call of its own in the round, from its last
+    contributed position. An island whose process is being restarted
+    gets none ahead."""
+    for i, program in self._programs.items():
+      if i in self._rejoining or i in self._in_flight:
+        continue
+      self._ahead[i] = _train_call(program, False).remote(
+          start, round_number, None,
+          steps if island_steps is None else island_steps.get(i, steps),
+          True, first_step, island_steps is not None)
 
   def measure_step_seconds(self, starts: dict) -> dict[int, float]:
     """island -> its seconds per inner step, each member timed on its own
@@ -165,6 +194,11 @@ class Fleet:
       self.nodes[i] = result["node"]
     for i in (*came_back.failed, *came_back.late):
       self._applied[i] = False
+    # A call sent ahead goes on from this round's: where this round's did
+    # not reach x, it is taken back (an island still training this round
+    # has not started it) and the island starts the next round anew.
+    for i in [i for i in self._ahead if not self._applied.get(i)]:
+      ray.cancel(self._ahead.pop(i))
     self.processes = self._identify(came_back)
     # A late call is kept while its result could still be applied.
     self._in_flight = {

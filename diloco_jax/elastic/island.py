@@ -131,6 +131,7 @@ class IslandProgram:
     streaming those of the fragments sent at the round's end), the
     stream position after the steps, the train losses, the tokens trained
     and the island's share of the corpus."""
+    started_at = time.time()
     if first_step is None:
       first_step = (round_number - 1) * self._inner_steps
     if self._pending_residual is not None:
@@ -179,6 +180,9 @@ class IslandProgram:
         "losses": [float(np.asarray(loss)[0]) for loss in losses],
         "tokens": steps * self.tokens_per_step, "share": self.share,
         "step_seconds": speeds.typical_step_seconds(step_seconds),
+        # When the call began (wall clock: pipelined rounds begin before
+        # the round before them closes).
+        "started_at": started_at,
         # Which process this is (its pid, host, IP and Ray node).
         "process": _process(),
         # The Ray node it runs on (None outside Ray: tests call it).

@@ -50,6 +50,7 @@ class ElasticSettings:
   kill_after: tuple[tuple[int, int], ...] = ()
   link_mbit: float = 0.0
   link_delay_ms: float = 0.0
+  overlap_rounds: bool = True
 
 
 # (setting, the value elastic islands need, why) for what they do not run
@@ -144,6 +145,10 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
   except ValueError as error:
     raise problems_lib.ConfigError(
         f"config.testing.island_speeds: {error}") from None
+  if not isinstance(elastic.overlap_rounds, bool):
+    raise problems_lib.ConfigError(
+        f"config.elastic.overlap_rounds={elastic.overlap_rounds!r} must be "
+        "True or False")
   if not isinstance(elastic.pin_islands, bool):
     raise problems_lib.ConfigError(
         f"config.elastic.pin_islands={elastic.pin_islands!r} must be True "
@@ -153,7 +158,8 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
                          float(slow_seconds), stale, elastic.round_budget,
                          speeds, kill_after=kill_after,
                          pin_islands=elastic.pin_islands or link_mbit > 0,
-                         link_mbit=link_mbit, link_delay_ms=link_delay_ms)
+                         link_mbit=link_mbit, link_delay_ms=link_delay_ms,
+                         overlap_rounds=elastic.overlap_rounds)
 
 
 def _link(elastic) -> tuple[float, float]:
