@@ -20,6 +20,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from diloco_jax.config import config_files
 from diloco_jax.run import quiet_logs
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -151,6 +152,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with each mistake reported in one line: an
   unknown config field (with the nearest one), a bad value, a config file
   that does not load, an argument that is not a flag."""
+  # Configs that import their siblings (`from configs import ...`) load
+  # from any directory.
+  config_files.importable(argv)
   try:
     remaining = flags.FLAGS(argv)
     _CONFIG.value.keys()  # a config file that failed to load raises here

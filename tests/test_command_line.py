@@ -375,3 +375,20 @@ def test_eager_on_the_default_config_through_main_and_its_resume(tmp_path):
   assert summary["resumed_from_step"] == 8 and summary["rounds"] == 6
   assert [c["field"] for c in summary["config_changes"]] == ["total_steps"]
   assert _saved_outer(workdir)[:2] == ("sgd", 1.0)
+
+
+@pytest.mark.parametrize("command", ["diloco_jax.main", "diloco_jax.elastic"])
+def test_configs_that_import_their_siblings_load_from_any_directory(
+    command, tmp_path):
+  """configs/c4_small.py imports configs/c4_common.py: run from a
+  directory that is not the repository's root (no PYTHONPATH), as a user
+  would, it loads (here it then stops on a bad value, in one line)."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  done = subprocess.run(
+      [sys.executable, "-m", command,
+       f"--config={REPO}/configs/c4_small.py:quick",
+       f"--workdir={tmp_path / 'run'}", "--config.total_steps=abc"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+  assert done.returncode != 0
+  assert "No module named 'configs'" not in done.stderr + done.stdout
+  assert "--config.total_steps=abc" in done.stderr + done.stdout

@@ -1,11 +1,14 @@
 """python -m diloco_jax.elastic --config=configs/tiny.py --workdir=DIR:
 a run on elastic islands (each island its own process under Ray)."""
 
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from diloco_jax.config import config_files
 from diloco_jax.config import problems
 from diloco_jax.config import validation
 from diloco_jax.elastic import driver
@@ -54,4 +57,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Configs that import their siblings load from any directory.
+  config_files.importable(sys.argv)
   app.run(main)
