@@ -104,6 +104,7 @@ def _main_args(workdir):
           "--config.checkpoint.max_to_keep=20"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after_step", [4, 8])
 def test_sigkill_and_resume_equals_uninterrupted(uninterrupted, tmp_path,
                                                  kill_after_step):
@@ -180,6 +181,7 @@ def test_checkpoint_of_another_model_shape_stops_before_touching_anything(
       checkpoints_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("new_islands", [4, 1])
 def test_resume_with_a_different_number_of_islands(tmp_path, caplog,
                                                    new_islands):

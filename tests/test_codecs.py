@@ -280,6 +280,7 @@ def test_error_feedback_residuals_live_in_the_state():
                              final[False].global_params, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_resume_with_codec_state_is_exact(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top

@@ -36,6 +36,7 @@ def _with_quick_parameters(notebook, runs_dir: str):
 
 # Notebook 01 runs top to bottom in the fresh-runtime test below, which
 # also takes the install cell's other branch.
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS[1:], ids=os.path.basename)
 def test_a_notebook_runs_top_to_bottom(path, tmp_path):
   notebook = _with_quick_parameters(nbformat.read(path, as_version=4),
@@ -150,6 +151,7 @@ def _fresh_runtime(root):
   return venv, purelib
 
 
+@pytest.mark.slow
 def test_a_fresh_runtime_clones_installs_and_runs_the_quickstart(
     tmp_path, monkeypatch):
   """Notebook 01 on a runtime with jax and no diloco_jax, from an empty

@@ -340,6 +340,7 @@ def test_islands_start_identical_and_get_different_batches():
   assert not np.allclose(y[0], y[1])
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_inside_island_match_one_replica():
   """(islands=2, data=2) equals (islands=2, data=1) at the same island batch."""
   batches = helpers.random_batches(4, 2, 4)

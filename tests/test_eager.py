@@ -180,6 +180,7 @@ def _config(**overrides):
       **overrides})
 
 
+@pytest.mark.slow
 def test_one_island_eager_is_diloco_without_overlap(tmp_path):
   """With one island D(r-1) - u(r-1) is exactly 0 and u(r) is exactly the
   mean DiLoCo applies at once (checked bit for bit each round): the island
@@ -211,6 +212,7 @@ def test_one_island_eager_is_diloco_without_overlap(tmp_path):
   np.testing.assert_allclose(losses("eager"), losses("plain"), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_eager_at_averaging_is_the_rebasing_delay(tmp_path):
   """Eager (an own weight of 1 by default) under outer averaging (lr 1,
   momentum 0): island m starts round r + 1 from x_m(r) = x(r-1) - d_m(r),
@@ -261,6 +263,7 @@ def test_one_island_s_eager_update_is_its_mean_bit_for_bit():
                  jax.device_get(state.outer.own_shares))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warmup,killed_at", [
     (0, 8),  # mid-round 3: round 2's mean in flight
     (2, 5),  # mid-round 2, which still waits for its mean when resumed
@@ -281,6 +284,7 @@ def test_resume_with_a_mean_in_flight_is_exact(tmp_path, warmup, killed_at):
   test_checkpoint._assert_identical_runs(whole, resumed)  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_warmup_rounds_run_as_diloco_without_overlap(tmp_path):
   """config.diloco.overlap_warmup_rounds: the run's first rounds wait for
   their own mean. With all 4 rounds waiting, eager is DiLoCo without

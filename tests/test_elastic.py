@@ -144,6 +144,7 @@ def failure_free(namespace, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outer", ["nesterov", "sparseloco"])
 def test_an_elastic_run_equals_the_spmd_run(outer, namespace, failure_free,
                                             tmp_path):
@@ -181,6 +182,7 @@ def test_an_elastic_run_equals_the_spmd_run(outer, namespace, failure_free,
       spmd_evals, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_killed_island_is_left_out_and_rejoins(namespace, failure_free,
                                                  tmp_path):
   """Island 1's process SIGKILLs itself during round 2: the round
@@ -240,6 +242,7 @@ _OVERLAP_RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", list(_OVERLAP_RUNS))
 def test_every_overlap_runs_elastic_and_survives_a_kill(overlap, namespace,
                                                         tmp_path):
@@ -281,23 +284,32 @@ def test_every_overlap_runs_elastic_and_survives_a_kill(overlap, namespace,
       summary["final_eval_loss"], rel=0.02)
 
 
+@pytest.mark.slow
 def test_delayed_rounds_overlap_the_round_before_them(namespace, tmp_path):
   """Under the one-step delay each island's next call is sent while its
-  round runs (config.elastic.overlap_rounds, on by default): every
-  island begins round r + 1 before round r has closed, where with the
-  setting off it begins after. Both compute the same run: x's start of a
-  round is known a round early (outer.land), so only the time moves."""
-  flags = ["--config.diloco.overlap=one_step_delay"]
+  round runs (config.elastic.overlap_rounds, on by default): island 0,
+  done with rounds 1 and 2 a second before island 1 (slowed by the
+  straggler hook), begins the next round while the round it finished is
+  still open, where with the setting off it begins after the round
+  closed (every island does: its call is sent then). Both compute the
+  same run: x's start of a round is known a round early (outer.land), so
+  only the time moves."""
+  flags = ["--config.diloco.overlap=one_step_delay",
+           "--config.testing.slow_island=1@1,1@2",
+           "--config.testing.slow_seconds=1.0"]
   ahead, blocked = str(tmp_path / "ahead"), str(tmp_path / "blocked")
   _elastic(namespace, ahead, *flags)
   _elastic(namespace, blocked, *flags, "--config.elastic.overlap_rounds=false")
   for workdir, overlapped in ((ahead, True), (blocked, False)):
     records = _records(workdir)
     assert [r["pipelined"] for r in records] == [overlapped] * 3
+    assert [r["included"] for r in records] == [[1, 1]] * 3
     for last, this in zip(records, records[1:]):
       assert len(this["started_at"]) == 2
-      for started in this["started_at"].values():
-        assert (started < last["closed_at"]) == overlapped, (last, this)
+      started = this["started_at"]["0"]
+      assert (started < last["closed_at"]) == overlapped, (last, this)
+      if not overlapped:
+        assert min(this["started_at"].values()) > last["closed_at"]
   # The same outer steps in programs jitted apart (land alone, and within
   # the whole update): equal up to float32 rounding of x.
   assert [r.get("eval_loss") for r in _records(ahead)] == pytest.approx(
@@ -321,6 +333,7 @@ def test_an_address_that_does_not_answer_is_one_line(tmp_path):
   assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
                                                           tmp_path):
   """Every process of the run (the coordinator's, Ray's, the islands')
@@ -348,6 +361,7 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
   assert lines[0] == first_record
 
 
+@pytest.mark.slow
 def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
   """Island 1 sleeps 8 s into round 2; with a quorum of one island and a
   1 s grace window the round closes without it. Whatever rounds it makes
@@ -369,6 +383,7 @@ def test_a_straggler_is_left_out_of_its_round(namespace, tmp_path):
   assert set(summary["island_nodes"]) == {"0", "1"}  # where each ran
 
 
+@pytest.mark.slow
 def test_islands_join_and_leave_between_rounds(namespace, tmp_path):
   """With island_schedule '1<->2' slot 1 is a member of round 2 only: its
   process starts for round 2 (a fresh inner optimizer state, from round
@@ -441,6 +456,7 @@ def test_the_members_file_sets_the_next_rounds_members(tmp_path):
   assert "is not an elastic run's directory" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_late_result_is_applied_by_the_staleness_rule(namespace,
                                                         tmp_path):
   """With stale_rounds=1 a straggler's round-2 result, too late for round

@@ -146,6 +146,7 @@ def _lines(done):
   return (done.stdout + done.stderr).strip().splitlines()
 
 
+@pytest.mark.slow
 def test_a_second_coordinator_on_a_workdir_is_refused(lifecycle):  # pylint: disable=redefined-outer-name
   """While A trains, B on the same workdir is refused by the workdir's
   lock (run/workdir.py's, as the SPMD runs take it) in one line naming

@@ -121,6 +121,7 @@ def test_a_kill_after_an_island_s_result_is_a_testing_hook():
   assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_an_island_killed_after_its_result_trains_the_next_round(namespace,
                                                                  tmp_path):
   """Island 1's process is SIGKILLed right after its round-1 result

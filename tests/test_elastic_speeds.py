@@ -116,6 +116,7 @@ def test_the_merge_weighs_each_island_by_the_tokens_it_trained(tmp_path):
   coordinator.close()
 
 
+@pytest.mark.slow
 def test_slow_islands_take_fewer_steps_and_keep_exact_positions(namespace,
                                                                 tmp_path):
   """Island 1 at a quarter of island 0's speed, rounds budgeted in time:
@@ -138,6 +139,7 @@ def test_slow_islands_take_fewer_steps_and_keep_exact_positions(namespace,
       {"step": sum(t[i] for t in taken)} for i in range(2)]
 
 
+@pytest.mark.slow
 def test_pinned_islands_run_on_the_nodes_offering_their_slot(namespace,
                                                              tmp_path):
   """config.elastic.pin_islands: on the run's own Ray this node offers
@@ -150,6 +152,7 @@ def test_pinned_islands_run_on_the_nodes_offering_their_slot(namespace,
   assert test_elastic._summary(str(workdir))["rounds"] == 3  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_a_pinned_island_no_node_offers_is_one_line(tmp_path):
   import ray  # pylint: disable=g-import-not-at-top
   from diloco_jax.elastic import driver  # pylint: disable=g-import-not-at-top

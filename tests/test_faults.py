@@ -129,6 +129,7 @@ def _assert_no_temporary_dirs(workdir):
 _RERUN_SAVES = "--config.checkpoint.every_steps=0"
 
 
+@pytest.mark.slow
 def test_a_read_only_checkpoint_directory_stops_the_run_in_one_line(
     tmp_path):
   _require_mount(tmp_path)
@@ -195,6 +196,7 @@ def _keep_full(path, process):
   return thread
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_frees_the_partial_save(
     tmp_path):
   _require_mount(tmp_path)
@@ -475,6 +477,7 @@ def test_tensorboard_drops_the_points_a_resumed_run_takes_again(finished,
 # 7. A stop while the first programs compile ends the run at once.
 
 
+@pytest.mark.slow
 def test_sigterm_while_compiling_exits_within_seconds(tmp_path):
   workdir = str(tmp_path / "run")
   # No compilation cache: the compile must really take its time.

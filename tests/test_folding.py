@@ -102,6 +102,7 @@ def _run(islands: int, num_devices: int, variant: str, rounds: int = 2,
 # take float32, a rounding codec (int8) and ddp; every codec's mean, top-k's
 # and the adaptive low-rank codec's included, is the same on every
 # placement at the collective (test_codec_mean_is_the_same_on_every_placement).
+@pytest.mark.slow
 @pytest.mark.parametrize("islands,variant",
                          [(4, v) for v in ("fp32", "int8", "ddp")])
 def test_runs_on_1_2_and_k_devices_agree(islands, variant):

@@ -93,6 +93,7 @@ def test_stripes_round_trip_and_one_stripe_is_ravel_order():
                                 tree["a"][:, 512:].T.reshape(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [2, 4])
 @pytest.mark.parametrize("codec", [None, INT8], ids=["fp32", "int8"])
 def test_fsdp_island_matches_the_replicated_island(data, codec):
@@ -135,6 +136,7 @@ def _argument_bytes(data: int, fsdp: bool) -> int:
   return compiled.memory_analysis().argument_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [2, 4])
 def test_fsdp_shrinks_per_device_state_memory_by_the_shard_count(data):
   replicated = _argument_bytes(data, False)

@@ -101,6 +101,7 @@ def _assert_close(a, b):
     np.testing.assert_allclose(np.diag(overlap), 1.0, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SELECTING))
 def test_a_selecting_codec_on_fsdp_devices_equals_the_same_pieces_whole(name):
   """Each of 2 FSDP devices selects within its own shards: the mean and
@@ -118,6 +119,7 @@ def test_a_selecting_codec_on_fsdp_devices_equals_the_same_pieces_whole(name):
       jax.tree.leaves(sharded[0]), jax.tree.leaves(one_piece[0])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FACTORING))
 @pytest.mark.parametrize("data", [2, 4])
 def test_low_rank_on_fsdp_devices_equals_the_whole_matrix_codec(name, data):
@@ -135,6 +137,7 @@ def test_the_pieces_cover_split_and_whole_leaves():
   assert {0, 1, None} <= axes, axes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["topk", "sparseloco", "lowrank",
                                   "adaptive_lowrank"])
 def test_an_fsdp_outer_step_gathers_no_matrix(name):

@@ -161,6 +161,7 @@ _MID_RUN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", list(_MID_RUN))
 def test_a_shard_broken_mid_run_is_one_line_and_the_run_saves(
     fault, tokens_dir, tmp_path):
@@ -214,6 +215,7 @@ class _Leased:
     signal.signal(signal.SIGIO, self._previous)
 
 
+@pytest.mark.slow
 def test_a_stalled_read_is_one_line_naming_its_file_after_the_wait(
     tokens_dir, tmp_path):
   corpus = _copy(tokens_dir, tmp_path / "tokens")
@@ -246,6 +248,7 @@ def _c4_shards(directory: pathlib.Path) -> None:
         f.write(json.dumps({"text": _text(rng, 1500)}) + "\n")
 
 
+@pytest.mark.slow
 def test_a_run_waiting_on_a_stalled_read_stops_and_saves_on_sigterm(
     tmp_path):
   """A streamed C4 shard: it used to wait for ever, SIGTERM unheard."""

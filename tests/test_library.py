@@ -106,6 +106,7 @@ CODECS = {"fp32": {}, "int8": {},
           "adaptive_lowrank": dict(rank=4, min_rank=2, energy_fraction=0.8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec_name", list(CODECS))
 def test_outer_update_equals_the_built_in_outer_step(codec_name):
   params, island_params = _islands_after_a_round()
@@ -218,6 +219,7 @@ def test_the_one_step_delay_equals_the_built_in_one():
       jax.device_get(flushed.global_params), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("own_weight", [1.0, None], ids=["eager",
                                                          "eager_share"])
 def test_eager_updates_equal_the_built_in_ones(own_weight):
@@ -281,6 +283,7 @@ def test_eager_updates_equal_the_built_in_ones(own_weight):
   helpers.assert_trees_close(island_x, x, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec_name", ["int8", "adaptive_lowrank"])
 def test_streaming_sends_and_merges_equal_the_built_in_ones(codec_name):
   """Two fragments over two rounds of H = 4 (tau = 1, alpha = 0.5, error
@@ -400,6 +403,7 @@ def test_a_tree_without_blocks_is_cut_into_runs_of_about_equal_size():
                           assignment=(0, 0))
 
 
+@pytest.mark.slow
 def test_a_stacked_state_placed_by_island_specs_runs_per_island():
   """Two rounds of int8 with error feedback, and of eager updates, per
   island inside shard_map with the stacked state split by island_specs:

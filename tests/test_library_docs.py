@@ -14,6 +14,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "library.md"
 ISLAND_BATCH, FEATURES, OUTPUTS = 16, 8, 4
@@ -61,6 +62,7 @@ def _assert_close(actual, expected):
                actual, expected)
 
 
+@pytest.mark.slow
 def test_the_pages_loops_run_and_train():
   blocks = _blocks()
   assert len(blocks) == 5, "a block was added or removed: name it here"

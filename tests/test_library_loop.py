@@ -212,6 +212,7 @@ def _by_path(tree) -> dict:
   return leaves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec,overlap", [
     ("fp32", "none"),  # plain DiLoCo
     ("int8", "none"),  # through a codec

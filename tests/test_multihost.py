@@ -257,6 +257,7 @@ def _assert_close_runs(a, b):
     assert ra["comm_bytes"] == rb["comm_bytes"]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(one_process_c4, two_processes_c4):
   # 2 islands on each process; every island streams its own shards.
   workdir, output = two_processes_c4
@@ -277,6 +278,7 @@ _BY_HAND_ENV = {key: value for key, value in ENV.items()
                 or key.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))}
 
 
+@pytest.mark.slow
 def test_processes_started_by_hand_with_flags(two_processes_c4, c4_dir,
                                               tmp_path):
   # BUILD.md's several-hosts command: each process given the coordinator,
@@ -296,6 +298,7 @@ def test_processes_started_by_hand_with_flags(two_processes_c4, c4_dir,
   test_checkpoint._assert_identical_runs(two_processes_c4[0], workdir)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_without_the_launcher_is_named_in_one_line(tmp_path):
   # Started by hand (no launcher to watch the processes): the survivor
   # names the process that died, in its last line, before JAX's
@@ -327,6 +330,7 @@ def test_a_worker_killed_without_the_launcher_is_named_in_one_line(tmp_path):
   workdir_lib.claim(workdir).release()  # the lock went with the process
 
 
+@pytest.mark.slow
 def test_an_island_spread_over_two_processes(tmp_path):
   # One island whose 'data' devices are on two processes: the gradient
   # all-reduce crosses them; both read the island's batch and place half.
@@ -338,6 +342,7 @@ def test_an_island_spread_over_two_processes(tmp_path):
   _assert_close_runs(one, two)
 
 
+@pytest.mark.slow
 def test_an_island_s_pipeline_stages_spread_over_two_processes(tmp_path):
   # One island of two pipeline stages, one on each process: the
   # activations' hand-off, the tied embedding's gather and the gradient's
@@ -351,6 +356,7 @@ def test_an_island_s_pipeline_stages_spread_over_two_processes(tmp_path):
   _assert_close_runs(one, two)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,message", [
     # One island on one device would leave process 1 with nothing to do.
     (("--config.mode=single",), "leaving process(es) [1] of 2 without any"),
@@ -373,6 +379,7 @@ def test_a_run_processes_cannot_share_is_one_clear_error(tmp_path, extra,
   assert not workdir.exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
     two_processes_c4, c4_dir, tmp_path):
   # One run through both ways a multi-host run ends early: a process that
@@ -413,6 +420,7 @@ def test_a_killed_process_and_a_sigterm_stop_the_run_and_reruns_resume(
 # The delay with a mean in flight (eager_ef) and FSDP islands gathered from
 # their shards (fsdp_streaming, whose fragments are in flight too); the
 # rebasing delay with FSDP runs in one process in test_outer_placement.
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [
     ("--config.diloco.islands=4", "--config.diloco.overlap=eager",
      "--config.total_steps=6", "--config.diloco.overlap_warmup_rounds=1",

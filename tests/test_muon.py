@@ -167,6 +167,7 @@ def test_the_islands_inner_steps_are_optax_muon_on_the_blocks():
         jax.tree.unflatten(treedef, ours), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_diloco_run_with_inner_muon_learns(tmp_path):
   """configs/tiny.py with Muon inside the islands, 4 rounds at an inner
   learning rate that learns in 16 steps: every round's eval is below the

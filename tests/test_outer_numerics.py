@@ -64,6 +64,7 @@ def test_the_cells_cover_each_overlap_layout_and_codec():
 OTHER_MACHINE_RTOL = 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS)
 def test_the_cell_trains_as_the_fixture_says(cell, fixture, tmp_path):
   assert cell in fixture["cells"], f"{cell} is not in {FIXTURE}"

@@ -109,6 +109,7 @@ def test_every_overlap_equals_the_compiled_outer_step(overlap, codec_name):
       jax.tree.leaves(x), jax.tree.leaves(params))) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["one_step_delay_rebase", "eager"])
 def test_per_island_under_shard_map_equals_stacked(overlap):
   """The per-island form (a stacked state placed by island_specs, each

@@ -97,6 +97,7 @@ def test_the_host_outer_step_equals_the_on_device_one(overlap, codec,
     assert leaf.sharding.device_set == {outer_devices[0]}
 
 
+@pytest.mark.slow
 def test_streaming_sends_on_the_host_equal_the_on_device_ones():
   """Two fragments, each sent on the outer device while the other is in
   flight, merged later with x_p from there: as the compiled programs on
@@ -189,6 +190,7 @@ def _assert_host_equals_device(tmp_path, overrides):
 # delay and with streaming, FSDP islands on 2 processes, in test_multihost;
 # a resume onto the host with the rebasing delay below; and here FSDP
 # islands with the rebasing delay (the anchors cross in the FSDP stripes).
+@pytest.mark.slow
 def test_a_run_with_the_outer_step_on_its_own_device_equals_on_device(
     tmp_path):
   overrides = {"diloco.overlap": "one_step_delay_rebase", **FSDP}
@@ -205,6 +207,7 @@ STAGED = {"model.num_layers": 2, "data.batch_size": 8, "mesh.stage": 2,
           "diloco.error_feedback": True}
 
 
+@pytest.mark.slow
 def test_each_stage_s_outer_side_is_on_a_device_of_its_own(tmp_path,
                                                            monkeypatch):
   """The run equals the staged run with its outer step on the compute
@@ -275,6 +278,7 @@ def _streaming(**overrides):
           **overrides}
 
 
+@pytest.mark.slow
 def test_a_streaming_run_with_its_sends_on_their_own_device_equals_on_device(
     tmp_path):
   """Resumed at step 5, with fragment 0 (sent at step 4) in flight until
@@ -292,6 +296,7 @@ def test_a_streaming_run_with_its_sends_on_their_own_device_equals_on_device(
   test_checkpoint._assert_identical_runs(host, resumed)  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["one_step_delay_rebase", "eager"])
 def test_resume_moves_the_outer_state_either_way(tmp_path, overlap):
   """Checkpoints are the same pytree whatever the placement: a run saved

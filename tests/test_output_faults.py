@@ -196,6 +196,7 @@ _PROGRESS = re.compile(r"I\d{4} ")  # absl's INFO lines
 _WRITTEN_AGAIN = "was removed or replaced while the run wrote it"
 
 
+@pytest.mark.slow
 def test_removing_the_checkpoints_during_a_save_stops_the_run_in_one_line(
     tmp_path):
   workdir = str(tmp_path / "run")
@@ -371,6 +372,7 @@ def test_an_unwritable_tensorboard_directory_is_refused_before_writing(
   assert sorted(os.listdir(workdir)) == ["tensorboard"]  # nothing written
 
 
+@pytest.mark.slow
 def test_a_full_tensorboard_disk_stops_the_run_in_one_line(tmp_path):
   workdir = tmp_path / "run"
   tensorboard = workdir / "tensorboard"

@@ -233,6 +233,7 @@ def test_resizing_keeps_the_anchors_of_the_islands_that_stay():
                              atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec,error_feedback", [
     ("int8", True), ("topk", True), ("adaptive_lowrank", True),
     ("int4", False)])
@@ -326,6 +327,7 @@ def _config(**overrides):
       "checkpoint.max_to_keep": 20, **overrides})
 
 
+@pytest.mark.slow
 def test_one_round_delayed_ends_where_plain_diloco_does(tmp_path):
   """With a single round the only update is applied at the end: the same
   x as plain DiLoCo's one outer step."""
@@ -349,6 +351,7 @@ def test_one_round_delayed_ends_where_plain_diloco_does(tmp_path):
       rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_resume_with_an_update_in_flight_is_exact(tmp_path):
   """Killed at step 8, mid-round 3, while round 2's mean is in flight."""
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")

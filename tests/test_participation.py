@@ -82,6 +82,7 @@ def test_a_schedule_run_follows_its_participation(tmp_path):
                                        for n in (1, 2, 3, 4)])
 
 
+@pytest.mark.slow
 def test_resume_mid_schedule_is_exact(tmp_path):
   test_checkpoint.check_resume_from_round_2(
       lambda: _config(**{"diloco.island_schedule": "4<->2",
@@ -145,6 +146,7 @@ def test_every_island_diverging_still_stops_the_run(tmp_path):
     train.train_and_evaluate(config, str(tmp_path / "all"))
 
 
+@pytest.mark.slow
 def test_a_stop_while_an_island_is_diverged_saves_nothing_and_resumes(
     tmp_path, monkeypatch):
   # Island 2 diverges at step 4 (round 2's start); SIGTERM during step 5.

@@ -114,6 +114,7 @@ def _pipelined_loss_and_grads(model, params, sequences, stages, repeats,
   return loss, layout.join_params(grads, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages,repeats,microbatches,tie,remat", [
     (2, 1, 4, True, False), (2, 2, 2, False, False), (4, 1, 4, False, False),
     (4, 2, 4, True, True),
@@ -233,6 +234,7 @@ def runs():
 # in one run; the other modes at S = 2 without FSDP. (S = 4: its loss and
 # gradients above, its state read back below; the steps are the same
 # per-stage code for any S.)
+@pytest.mark.slow
 @pytest.mark.parametrize("name,stages,staged", [
     ("diloco", 2, "S2-data2-fsdp"), ("eager", 2, "S2"), ("ddp", 2, "S2"),
 ])
@@ -344,6 +346,7 @@ def test_each_stage_reduces_only_among_the_devices_holding_it(codec):
   assert crossing
 
 
+@pytest.mark.slow
 def test_resume_with_another_stage_count_goes_on_as_the_run_would(
     runs, tmp_path):
   """Checkpoints hold the logical state: a run saved at S = 2 (with FSDP
@@ -360,6 +363,7 @@ def test_resume_with_another_stage_count_goes_on_as_the_run_would(
                              rtol=PARAMS_RTOL, atol=PARAMS_ATOL)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_reads_back_exactly_at_another_stage_count(runs):
   """The S = 2 run's last checkpoint (FSDP islands), restored for S = 4,
   laid out for that run's steps and back: every bit of what was saved."""
@@ -409,6 +413,7 @@ def _factored_steps(workdir, config):
   return saved, steps, bases
 
 
+@pytest.mark.slow
 def test_a_codec_with_state_keeps_one_per_stage(tmp_path):
   """Adaptive low rank with error feedback, one round on two stages. Every
   stage factors its own matrices, with its own bases and ranks in the
@@ -472,6 +477,7 @@ def test_what_stages_cannot_do_is_one_line_naming_both_settings(
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_example_config_runs_two_stages():
   """configs/pipeline.py's first inner step, as its run builds and takes it
   (4 islands x 2 stages on 8 devices, the embedded corpus, the default

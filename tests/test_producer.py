@@ -256,6 +256,7 @@ def test_a_run_ends_its_thread_and_reports_its_data_wait(finished_c4):
   assert 0 < summary["data_wait_fraction"] < 1
 
 
+@pytest.mark.slow
 def test_a_sigterm_stops_a_c4_run_cleanly_and_it_resumes_exactly(
     finished_c4, c4_dir, tmp_path):
   workdir = str(tmp_path / "stopped")

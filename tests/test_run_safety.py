@@ -102,6 +102,7 @@ def _poison_once(monkeypatch, at_call: int):
   return calls
 
 
+@pytest.mark.slow
 def test_rollback_restores_the_last_good_checkpoint_and_skips_batches(
     tmp_path, monkeypatch):
   workdir = str(tmp_path / "rollback")
@@ -215,6 +216,7 @@ def _resume_expecting_one_unreadable(config, workdir, caplog):
   return warnings[0]
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_used(
     tmp_path, caplog):
   workdir = str(tmp_path / "damaged")
@@ -352,6 +354,7 @@ def uninterrupted_40(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_saves_and_exits_nonzero(
     uninterrupted_40, tmp_path, signum):
@@ -375,6 +378,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_nonzero(
   test_checkpoint._assert_identical_runs(uninterrupted_40, workdir)  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_a_data_error_mid_run_waits_for_the_save_and_prints_last(tmp_path):
   data = tmp_path / "c4"
   data.mkdir()
@@ -425,6 +429,7 @@ def test_resume_refuses_changes_of_meaning_naming_both_values(finished_8):
   assert sorted(os.listdir(os.path.join(finished_8, "checkpoints"))) == before
 
 
+@pytest.mark.slow
 def test_allowed_changes_continue_and_are_recorded(finished_8, tmp_path):
   workdir = str(tmp_path / "extended")
   test_checkpoint.shutil.copytree(finished_8, workdir)
@@ -437,6 +442,7 @@ def test_allowed_changes_continue_and_are_recorded(finished_8, tmp_path):
               ("total_steps", 8, 16, 8), ("diloco.codec", "fp32", "int8", 8)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_mode, mode", [("single", "diloco"),
                                               ("ddp", "diloco")])
 def test_a_checkpoint_of_another_mode_is_never_resumed_in_place(

@@ -113,6 +113,7 @@ def test_payload_bytes_are_what_encode_returns():
   assert sparse_chunks.payload_bytes(1, 4096, 82, 2) == 21 + 123 + 8
 
 
+@pytest.mark.slow
 def test_a_quick_run_trains_and_counts_its_bytes(tmp_path):
   """configs/study.py:quick with SparseLoCo's defaults trains to a finite
   loss, and the bytes it reports are its payloads': over 50x below what
@@ -134,6 +135,7 @@ def test_a_quick_run_trains_and_counts_its_bytes(tmp_path):
   assert summary["comm_bytes"] * 50 < rounds * fp32
 
 
+@pytest.mark.slow
 def test_a_run_learns_through_its_sparse_payloads(tmp_path):
   """configs/tiny.py with SparseLoCo's defaults (2% of each chunk, 2 bits,
   beta 0.95, alpha 1), 8 rounds of H = 2 at an inner learning rate that

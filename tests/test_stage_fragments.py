@@ -104,6 +104,7 @@ def _share(tree, layout, stage: int, per_island: bool = False):
 # Tolerances: the stage's program and the reference compute the same
 # operations, compiled apart; XLA may fuse and reorder them (within
 # float32 rounding of values of order 1).
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     {"diloco.codec": "lowrank", "diloco.outer_optimizer.name": "adam"},
     # A model whose matrices FSDP splits (the tiny one's stay whole).
@@ -223,6 +224,7 @@ def _run(name: str, **overrides):
                             _config(**RUN, **overrides))
 
 
+@pytest.mark.slow
 def test_fsdp_islands_and_the_outer_device_equal_the_staged_run():
   """The run whose sends go to each stage's outer device, and the FSDP
   islands' run (each stage over 2 devices), equal the staged run on its
@@ -245,6 +247,7 @@ def test_fsdp_islands_and_the_outer_device_equal_the_staged_run():
           < 1.02 * summary["comm_bytes"])
 
 
+@pytest.mark.slow
 def test_a_staged_streaming_run_resumes_exactly(tmp_path):
   """Killed after step 6 (stage 1 sent at step 6, its merge at step 7 in
   flight), the rerun ends bit for bit as the run that went through."""

@@ -140,6 +140,7 @@ def _compression(codec):
   return run_config.compression(settings)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec,error_feedback", [
     ("fp32", False), ("int8", True), ("adaptive_lowrank", True)])
 def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
@@ -182,6 +183,7 @@ def test_one_fragment_without_delay_or_blend_is_diloco(codec, error_feedback):
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_send_touches_only_its_fragment_and_a_merge_blends():
   islands, num_fragments, alpha = 2, 2, 0.25
   params, inner_opt, outer_opt, state = _state(
@@ -228,6 +230,7 @@ def _config(**overrides):
       **overrides})
 
 
+@pytest.mark.slow
 def test_a_streaming_run_counts_each_fragments_bytes(tmp_path):
   summary = train.train_and_evaluate(_config(), str(tmp_path / "run"))
   assert summary["fragments"] == 2 and np.isfinite(summary["final_eval_loss"])
@@ -249,6 +252,7 @@ def test_a_streaming_run_counts_each_fragments_bytes(tmp_path):
   assert max(fragment_bytes) < 0.75 * sum(fragment_bytes)
 
 
+@pytest.mark.slow
 def test_resume_with_a_fragment_in_flight_is_exact(tmp_path):
   stop_after = 6  # fragment 1 was sent at step 6 and merges at step 7
   whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")

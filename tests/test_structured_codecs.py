@@ -155,6 +155,7 @@ def _matrix_with_spectrum(rng, size, singular_values):
   return ((u * s) @ v.T).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_adaptive_codec_picks_the_rank_of_a_known_spectrum():
   rng = np.random.default_rng(3)
   size = 64
@@ -449,6 +450,7 @@ def test_outer_step_leaves_every_island_with_the_same_params(name):
   assert int(state.round) == 2
 
 
+@pytest.mark.slow
 def test_adaptive_outer_step_is_one_program_with_int8_factors():
   compression = _compression("adaptive_lowrank", dense=INT8, ranks=(2, 4),
                              factor_codec=INT8)
@@ -486,6 +488,7 @@ def _tiny_adaptive_config():
   return c
 
 
+@pytest.mark.slow
 def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib
@@ -510,11 +513,13 @@ def test_training_with_the_adaptive_codec_counts_its_bytes(tmp_path):
   assert summary["codec"] == "adaptive_lowrank"
 
 
+@pytest.mark.slow
 def test_resume_with_the_adaptive_codec_state_is_exact(tmp_path):
   from tests import test_checkpoint  # pylint: disable=g-import-not-at-top
   test_checkpoint.check_resume_from_round_2(_tiny_adaptive_config, tmp_path)
 
 
+@pytest.mark.slow
 def test_changing_the_rank_range_is_an_incompatible_checkpoint(tmp_path):
   from diloco_jax.run import checkpoints as checkpointing
   from diloco_jax.run import train  # pylint: disable=g-import-not-at-top

@@ -58,6 +58,7 @@ def test_every_point_of_every_study_is_a_valid_config(module):
       assert references <= {p.name for p in points}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", END_TO_END, ids=lambda m: m.STUDY.name)
 def test_each_study_runs_quick_and_writes_json_png_and_table(module,
                                                              shared_runs,
@@ -114,6 +115,7 @@ def _summary(run: dict) -> dict:
     return json.load(f)
 
 
+@pytest.mark.slow
 def test_a_study_resumes_without_rerunning_finished_runs(tmp_path):
   study = sign_pruning.STUDY
   kwargs = dict(runs_dir=str(tmp_path / "runs"), seeds=[0], quick=True,

@@ -80,6 +80,7 @@ def test_each_mode_trains_and_writes_outputs(mode, islands, tmp_path):
     assert on_disk["comm_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_diloco_learns_the_synthetic_chain(tmp_path):
   """A longer tiny run gets well below the unigram loss toward the entropy rate."""
   config = tiny.get_config()
@@ -98,6 +99,7 @@ def _run_main(args, **kwargs):
       env={**os.environ, "PYTHONPATH": REPO}, **kwargs)
 
 
+@pytest.mark.slow
 def test_main_cli_runs_tiny_config(tmp_path):
   workdir = str(tmp_path / "run")
   result = _run_main(["--config=configs/tiny.py", f"--workdir={workdir}",
@@ -194,6 +196,7 @@ def test_main_reports_bad_config_in_one_line_before_compiling(tmp_path):
   assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_island_mean_eval_equals_global_eval_under_parameter_averaging(
     tmp_path):
   """With outer SGD lr 1, x after the outer step is the islands' average."""
@@ -238,6 +241,7 @@ def test_a_run_checks_its_config_once_and_the_loop_parses_nothing(
                    "parse_schedule": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     {}, {"diloco.outer_placement": "host"}], ids=["device", "host"])
 def test_the_round_ends_compile_nothing_once_training_started(overrides,

@@ -80,6 +80,7 @@ def runs(tmp_path_factory):
   return workdirs
 
 
+@pytest.mark.slow
 def test_pretraining_then_diloco_equals_single_then_init_from_bit_for_bit(
     runs):
   _assert_equal_trees(_state(runs["protocol"]), _state(runs["init_from"]))
@@ -185,6 +186,7 @@ def _stop_at_inner_call(monkeypatch, at_call: int):
   helpers.wrap_inner_step(monkeypatch, stopping)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [2, PRETRAIN + 3],
                          ids=["in_pretraining", "after_the_switch"])
 def test_a_stop_in_either_phase_resumes_to_the_same_run(runs, tmp_path,

@@ -281,6 +281,10 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
       coordinator.save()
   summary = _summary(run_config, coordinator, evaluate, resumed, tally,
                      nodes, time.monotonic() - start_time)
+  if links is not None:  # where the island nodes ran, removed at the end
+    summary["links"] = {"mbit": links.mbit, "delay_ms": links.delay_ms,
+                        "namespaces": links.network.ns,
+                        "nodes_dir": links.nodes_dir}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
