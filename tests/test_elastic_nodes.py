@@ -86,7 +86,8 @@ def test_islands_run_on_nodes_of_their_own_behind_shaped_links(
 def test_a_killed_coordinator_takes_its_island_nodes_with_it(
     namespace, tmp_path):
   """SIGKILL the coordinator mid-run: its watch ends the island nodes'
-  Ray processes and removes their namespaces within seconds."""
+  Ray processes and removes their namespaces and Ray directory within
+  seconds."""
   workdir = tmp_path / "run"
   run = test_elastic._elastic(  # pylint: disable=protected-access
       namespace, workdir, *_flags({**_MODEL, "elastic.link_mbit": _MBIT,
@@ -103,8 +104,9 @@ def test_a_killed_coordinator_takes_its_island_nodes_with_it(
     assert made <= _namespaces(), (made, _namespaces())
     os.kill(coordinator, signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while _namespaces() & made:
-      assert time.monotonic() < deadline, _namespaces() & made
+    nodes_dir = f"/tmp/dj{coordinator}nodes"
+    while _namespaces() & made or os.path.exists(nodes_dir):
+      assert time.monotonic() < deadline, (_namespaces() & made, nodes_dir)
       time.sleep(0.2)
   finally:
     run.kill()

@@ -27,6 +27,7 @@ milliseconds.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,6 +141,8 @@ def _main(session_dir: str, coordinator: int, nodes_dir: str = "",
   for namespace in namespaces:  # gone already after a normal end
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True,
                    check=False)
+  if nodes_dir:  # the island nodes' Ray sessions, their processes ended
+    shutil.rmtree(nodes_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
