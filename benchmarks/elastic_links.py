@@ -30,10 +30,7 @@ the longer of the compute and the exchange.
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -44,7 +41,8 @@ sys.path.insert(0, str(_REPO))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from diloco_jax.analysis import network_model as nm
 from diloco_jax.analysis import star_channel
-from diloco_jax.elastic import netns
+sys.path.insert(0, str(_REPO / "benchmarks"))
+import elastic_run
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py",
                               "The config file to run.")
@@ -63,25 +61,9 @@ _OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
 
 def _run(mbit: float) -> dict:
   """One elastic run behind links of `mbit`: its records and summary."""
-  workdir = tempfile.mkdtemp(prefix=f"links_{mbit:g}_")
-  with netns.LoopbackNamespace() as namespace:
-    command = namespace.command(
-        sys.executable, "-m", "diloco_jax.elastic",
-        f"--config={_REPO / _CONFIG.value}", f"--workdir={workdir}",
-        f"--config.elastic.link_mbit={mbit}", *_EXTRA.value)
-    started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(_REPO)})
-    wall = time.monotonic() - started
-  if done.returncode:
-    raise RuntimeError(f"{mbit} Mbit/s: exit {done.returncode}\n"
-                       f"{done.stderr[-3000:]}")
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  with open(os.path.join(workdir, "summary.json")) as f:
-    summary = json.load(f)
-  return {"mbit": mbit, "records": records, "summary": summary,
-          "wall_s": wall}
+  return {"mbit": mbit, **elastic_run.run(
+      f"links_{mbit:g}", _CONFIG.value,
+      [f"--config.elastic.link_mbit={mbit}", *_EXTRA.value])}
 
 
 def _step_seconds(run: dict) -> float:

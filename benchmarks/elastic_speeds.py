@@ -5,7 +5,7 @@ r"""Elastic islands of unequal speeds: compute used, wall time and loss (root).
       [--extra_flags=--config.total_steps=120] [--out=res.json]
 
 Runs `python -m diloco_jax.elastic` on the config, each run in a network
-namespace of its own with loopback only (netns.py; removed after the
+namespace of its own with loopback only (elastic_run.py; removed after the
 run), its islands slowed by config.testing.island_speeds (each island's
 every inner step takes 1/speed as long):
 
@@ -44,12 +44,8 @@ the 'equal' run's and from the 'wait' run's.
 
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -57,7 +53,7 @@ import numpy as np
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO / "benchmarks"))
-import netns  # pylint: disable=g-import-not-at-top,wrong-import-position
+import elastic_run  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = flags.DEFINE_string("config", "configs/default.py",
                               "The config file to run.")
@@ -74,26 +70,7 @@ _RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "time_delay",
 
 def _run(name: str, run_flags: list[str]) -> dict:
   """One elastic run in a namespace of its own: its records and summary."""
-  workdir = tempfile.mkdtemp(prefix=f"speeds_{name}_")
-  with netns.LoopbackNamespace() as namespace:
-    command = namespace.command(
-        sys.executable, "-m", "diloco_jax.elastic",
-        f"--config={_REPO / _CONFIG.value}", f"--workdir={workdir}",
-        *_EXTRA.value, *run_flags)
-    started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(_REPO)})
-    wall = time.monotonic() - started
-    namespace.kill_everything()
-  if done.returncode:
-    raise RuntimeError(f"{name}: exit {done.returncode}\n"
-                       f"{done.stderr[-3000:]}")
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  with open(os.path.join(workdir, "summary.json")) as f:
-    summary = json.load(f)
-  return {"name": name, "records": records, "summary": summary,
-          "wall_s": wall}
+  return elastic_run.run(name, _CONFIG.value, [*_EXTRA.value, *run_flags])
 
 
 def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
