@@ -2,6 +2,22 @@
 
 import setuptools
 
+# What the extras add; `pip install -e .` alone runs `python -m
+# diloco_jax.main` on the built-in corpora (embedded, synthetic,
+# text_files, tokens with the byte tokenizer).
+_C4 = [
+    # SentencePiece tokenizers (config.data.tokenizer='sentencepiece',
+    # python -m diloco_jax.data.train_tokenizer).
+    "sentencepiece>=0.2",
+    # C4 through TFDS data sources (array_record; no TensorFlow needed).
+    "tensorflow-datasets>=4.9.10",
+    "importlib_resources",
+]
+# Elastic islands (python -m diloco_jax.elastic): Ray runs them.
+_ELASTIC = ["ray>=2.60"]
+# experiments/ plots; the tests also run the colabs/ notebooks.
+_EXPERIMENTS = ["matplotlib>=3.8"]
+
 setuptools.setup(
     name="diloco_jax",
     version="0.1.0",
@@ -9,7 +25,8 @@ setuptools.setup(
                  "models across islands of accelerators, in JAX/Flax."),
     packages=setuptools.find_packages(include=["diloco_jax", "diloco_jax.*"]),
     python_requires=">=3.11",
-    # Ranges the code is written against; requirements.txt pins the tested set.
+    # Ranges the code is written against; requirements.txt pins the tested
+    # set of these, requirements-dev.txt of these and every extra.
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12",
@@ -20,17 +37,14 @@ setuptools.setup(
         "chex>=0.1.90",
         "numpy>=2.0",
         "tensorboardX>=2.6",
-        "sentencepiece>=0.2",
-        # C4 through TFDS data sources (array_record; no TensorFlow needed).
-        "tensorflow-datasets>=4.9.10",
-        "importlib_resources",
     ],
     extras_require={
-        # experiments/ plots; the tests also run the colabs/ notebooks.
-        "experiments": ["matplotlib>=3.8"],
-        # Elastic islands (python -m diloco_jax.elastic): Ray runs them.
-        "elastic": ["ray>=2.60"],
-        "test": ["pytest>=8", "pytest-xdist>=3.2", "matplotlib>=3.8",
-                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+        "c4": _C4,
+        "elastic": _ELASTIC,
+        "experiments": _EXPERIMENTS,
+        # The whole test suite: every extra, the notebooks' kernel, pytest.
+        "test": [*_C4, *_ELASTIC, *_EXPERIMENTS, "pytest>=8",
+                 "pytest-xdist>=3.2", "nbclient>=0.10", "nbformat>=5.10",
+                 "ipykernel>=6.29"],
     },
 )

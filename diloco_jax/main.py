@@ -21,7 +21,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from diloco_jax.config import config_files
-from diloco_jax.run import quiet_logs
+from diloco_jax.telemetry import quiet_logs
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file with get_config().",
@@ -155,18 +155,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
   # Configs that import their siblings (`from configs import ...`) load
   # from any directory.
   config_files.importable(argv)
-  try:
-    remaining = flags.FLAGS(argv)
-    _CONFIG.value.keys()  # a config file that failed to load raises here
-  except flags.Error as e:
-    _exit(2, f"error: {e}")
-  except Exception as e:  # pylint: disable=broad-except
-    # pylint: disable-next=g-import-not-at-top
-    from diloco_jax.config import flag_errors
-    _exit(2, "error: " + flag_errors.describe(e, argv))
-  if len(remaining) > 1:  # absl would print its whole help first
-    _exit(2, f"error: unexpected arguments {remaining[1:]}: every setting "
-          "is a flag (--workdir=DIR, --config.FIELD=VALUE)")
+  # pylint: disable-next=g-import-not-at-top
+  from diloco_jax.config import flag_errors
+  remaining, problem = flag_errors.parse_flags(argv, _CONFIG)
+  if problem:
+    _exit(2, f"error: {problem}")
   return remaining
 
 
@@ -197,18 +190,23 @@ def main(argv):
   from diloco_jax.config import validation
   from diloco_jax.data import errors as data_errors
   from diloco_jax.parallel import peer_watch
-  from diloco_jax.run import checkpoints as checkpointing
-  from diloco_jax.run import files
+  from diloco_jax.storage import checkpoints as checkpointing
+  from diloco_jax.storage import files
   from diloco_jax.run import stops
   from diloco_jax.run import train
-  from diloco_jax.run import workdir
+  from diloco_jax.storage import workdir
   # pylint: enable=g-import-not-at-top
+  ran = []  # whether this run trained (else it had finished already)
+
+  def started():
+    ran.append(True)
+    _LOG_LINES.release()
+
   try:
-    train.train_and_evaluate(
-        config, _WORKDIR.value, launch_time=_LAUNCH_TIME,
-        started=_LOG_LINES.release)
+    summary = train.train_and_evaluate(
+        config, _WORKDIR.value, launch_time=_LAUNCH_TIME, started=started)
   except stops.StopRequested as e:
-    logging.warning("%s", e)
+    # Its line is the last one printed, once (not also as a log line).
     _exit(e.exit_code, str(e), failed=False)
   except KeyboardInterrupt:
     # A second Ctrl-C: the run was interrupted mid-step; any checkpoint
@@ -231,7 +229,22 @@ def main(argv):
     peer_watch.wait_for_a_verdict()
     raise
   _LOG_LINES.release()  # a run found finished already started nothing
+  if not ran:
+    logging.info("%s", finished_line(summary, _WORKDIR.value))
   peer_watch.finish()  # a multi-process run ends together
+
+
+def finished_line(summary: dict, workdir: str) -> str:
+  """What a rerun of a finished run says: its last line again, from its
+  summary.json (run/train.py's `done:` line), and where that file is."""
+  try:
+    said = (f"final eval loss {summary['final_eval_loss']:.4f}, "
+            f"{summary['tokens_per_s']:.0f} tokens/s, "
+            f"{summary['comm_bytes'] / 1e6:.1f} MB sent")
+  except (KeyError, TypeError, ValueError):  # a summary of another version
+    said = "its results"
+  return (f"done already: {said}; the summary is in "
+          f"{os.path.join(workdir, 'summary.json')}")
 
 
 if __name__ == "__main__":

@@ -65,16 +65,21 @@ def _write_c4(directory: pathlib.Path, train_shards: int = 2,
 
 @pytest.fixture(scope="module")
 def c4_dir(tmp_path_factory) -> pathlib.Path:
-  """Shards and a 512-piece tokenizer trained on them (the quick size's)."""
+  """Shards and a 512-piece tokenizer trained on them (the quick size's),
+  at _QUICK_MODEL."""
   directory = _write_c4(tmp_path_factory.mktemp("c4"))
-  train_tokenizer.train(str(directory), vocab_size=512, megabytes=1)
+  train_tokenizer.train(str(directory), vocab_size=512, megabytes=1,
+                        output=str(directory / _QUICK_MODEL))
   return directory
+
+
+_QUICK_MODEL = "spm_512.model"
 
 
 def _quick_config(c4_dir: pathlib.Path, **overrides):
   config = c4_small.get_config("quick")
   config.data.path = str(c4_dir)
-  config.data.tokenizer_path = str(c4_dir / "spm_512_1mb.model")
+  config.data.tokenizer_path = str(c4_dir / _QUICK_MODEL)
   config.update_from_flattened_dict(overrides)
   return config
 
@@ -129,7 +134,7 @@ def test_the_command_line_names_the_bad_line_and_creates_nothing(
       [sys.executable, "-m", "diloco_jax.main",
        "--config=configs/c4_small.py:quick", f"--workdir={workdir}",
        f"--config.data.path={data}",
-       f"--config.data.tokenizer_path={c4_dir / 'spm_512_1mb.model'}"],
+       f"--config.data.tokenizer_path={c4_dir / _QUICK_MODEL}"],
       cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
       text=True, timeout=300, check=False)
   assert result.returncode == 1, result.stderr[-3000:]
@@ -172,8 +177,13 @@ def test_a_tokenizer_is_trained_on_the_train_shards_and_cached(tmp_path):
     _write_shard(data / name, [f"{text} {word}" for text in texts])
   path, trained = train_tokenizer.train(str(data), vocab_size=400,
                                         megabytes=1)
-  assert trained and path == data / "spm_400_1mb.model"
-  assert path == train_tokenizer.model_path(str(data), 400, 1)
+  # The shards hold less than 1 MB of text: the name says how much.
+  held = train_tokenizer.sample_bytes(
+      c4_files.split_shards(str(data), 0.05)[0], 1) / 10**6
+  assert 0 < held < 1
+  assert trained and path == train_tokenizer.model_path(str(data), 400, held)
+  assert path.name == (
+      f"spm_400_{train_tokenizer.megabytes_name(held)}mb.model")
   tokenizer = tokenizer_lib.SentencePieceTokenizer(str(path))
   assert tokenizer.vocab_size == 400
   # Train letters are pieces; validation letters were never read, so only
@@ -209,8 +219,9 @@ def test_the_sample_stops_after_its_megabytes(tmp_path):
     ({"vocab_size": 100}, r"^--vocab_size=100 must be in \[260, 65536\]"),
     ({"megabytes": 0}, r"^--megabytes=0 must be >= 1$"),
     ({"vocab_size": 60_000},
-     r"^cannot train a 60000-piece SentencePiece model on 1 MB of .*: "
-     r"Vocabulary size too high \(60000\)"),
+     r"^--vocab_size=60000 is more pieces than all 0\.\d+ MB of text of "
+     r"the train shards at .* \(less than --megabytes=1\) can fill: at "
+     r"most (\d+); pass --vocab_size=\1 or less"),
     ({"output": "no_such_dir/spm.model"},
      r"^cannot write .*no_such_dir/spm.model: its directory is missing"),
 ])
@@ -328,7 +339,7 @@ def test_each_small_size_validates_and_keeps_the_protocol(c4_dir, size):
   with pytest.raises(validation.ConfigError, match=r"config\.data\.path"):
     validation.validate_config(config, num_devices=NUM_DEVICES)
   config.data.path = str(c4_dir)
-  config.data.tokenizer_path = str(c4_dir / "spm_512_1mb.model")
+  config.data.tokenizer_path = str(c4_dir / _QUICK_MODEL)
   run_config = validation.validate_config(config, num_devices=NUM_DEVICES)
   assert run_config.data.corpus == "c4"
   assert config.model.vocab_size == c4_small.VOCAB_SIZES[size]

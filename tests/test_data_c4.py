@@ -124,7 +124,8 @@ def test_split_by_hash_without_validation_names(tmp_path):
   for index in range(6):
     _write_shard(tmp_path / f"part-{index}.jsonl", [f"doc {index}"])
   (tmp_path / "README.txt").write_text("not a shard")
-  train, validation = c4_files.split_shards(str(tmp_path), 0.3)
+  train, validation = c4_files.split_shards(str(tmp_path), 0.3,
+                                            hold_out=True)
   assert train and validation and not set(train) & set(validation)
   assert sorted(train + validation) == c4_files.list_shards(str(tmp_path))
   assert all(path.suffix == ".jsonl" for path in train + validation)
@@ -175,7 +176,9 @@ def test_c4_restore_rejects_a_state_of_other_islands(tmp_path):
 @pytest.mark.parametrize("setup, overrides, message", [
     ("empty", {}, r"config\.data\.path: no C4 shards"),
     ("validation_only", {}, r"config\.data\.path: every shard .* no train"),
-    ("one_shard", {}, r"config\.data\.path: 1 C4 shard"),
+    ("one_shard", {}, r"config\.data\.path: none of the 1 C4 shard"),
+    ("one_shard", {"hold_out_shards": True},
+     r"config\.data\.path: 1 C4 shard"),
     ("c4", {"tokenizer": "wordpiece"}, r"config\.data\.tokenizer='wordpiece'"),
     ("c4", {"island_split": "random"}, r"config\.data\.island_split='random'"),
 ])

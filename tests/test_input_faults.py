@@ -30,7 +30,7 @@ from diloco_jax.data import c4_files
 from diloco_jax.data import errors
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
-from diloco_jax.data import producer
+from diloco_jax.data import read_ahead
 from diloco_jax.data import shard_files
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import token_shards
@@ -171,7 +171,7 @@ def test_a_shard_broken_mid_run_is_one_line_and_the_run_saves(
   process = _start(workdir, *_tokens_flags(corpus))
   step = _freeze_after_first_record(process, workdir)
   first, second = _island_shards(index, 0)[:2]
-  margin = first.tokens // (2 * _TOKENS_PER_STEP) - producer.DEPTH - 2
+  margin = first.tokens // (2 * _TOKENS_PER_STEP) - read_ahead.DEPTH - 2
   assert step < margin, f"frozen at step {step}: too late to break a shard"
   broken = corpus / (first.file if fault == "cut while read" else
                      second.file)

@@ -25,8 +25,8 @@ from diloco_jax.data import errors
 from diloco_jax.data import file_split
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
-from diloco_jax.data import sources
 from diloco_jax.data import shard_files
+from diloco_jax.data import sources
 from diloco_jax.data import token_shards
 from diloco_jax.data import tokenizer as tokenizer_lib
 from diloco_jax.data import train_tokenizer

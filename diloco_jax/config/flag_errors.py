@@ -7,6 +7,7 @@ instead, with the nearest config field for a misspelled one.
 
 import difflib
 import os
+import re
 
 from diloco_jax.config import schema
 
@@ -71,12 +72,45 @@ def describe(error: BaseException, argv: list[str]) -> str:
   if unknown:
     return unknown
   for value in _flag_values(argv, "config")[-1:]:  # the last one counts
-    path = value.split(":", 1)[0]
+    path, _, argument = value.partition(":")
     if not os.path.isfile(path):
       return f"--config={value}: no such file"
     lines = [line.strip() for line in str(error).strip().splitlines()
              if line.strip()]
-    return (f"--config={value}: cannot load it: "
-            + (lines[-1] if lines else type(error).__name__))
+    last = lines[-1] if lines else type(error).__name__
+    if argument and re.fullmatch(
+        r"TypeError: get_config\(\) takes 0 positional arguments but 1 "
+        r"was given", last):
+      return (f"--config={value}: {path} takes no ':ARGUMENT'; use "
+              f"--config={path}")
+    if argument and last.startswith("ValueError: "):
+      # The config's own refusal of its argument (configs/c4_small.py:
+      # "takes gpu, colab, quick, not 'small'").
+      return f"--config={value}: {last[len('ValueError: '):]}"
+    return f"--config={value}: cannot load it: {last}"
   lines = str(error).strip().splitlines()
   return lines[-1] if lines else type(error).__name__
+
+
+def parse_flags(argv: list[str], config_flag) -> tuple[list[str], str | None]:
+  """absl's flag parsing of `argv`, each mistake one line: (the arguments
+  left, None), or ([], the line) for an unknown config field (with the
+  nearest one), a bad value, a config file that does not load (or does
+  not take its ':ARGUMENT'), or an argument that is not a flag.
+  `config_flag`: the entry point's DEFINE_config_file holder."""
+  # pylint: disable-next=g-import-not-at-top
+  from absl import flags
+  try:
+    remaining = flags.FLAGS(argv)
+    config_flag.value.keys()  # a config file that failed to load raises here
+  except flags.Error as e:
+    message = str(e).strip()
+    # A config file whose get_config raised: absl's message holds the
+    # traceback; the line names the file and what it said.
+    return [], (describe(e, argv) if "\n" in message else message)
+  except Exception as e:  # pylint: disable=broad-except
+    return [], describe(e, argv)
+  if len(remaining) > 1:  # absl would print its whole help first
+    return [], (f"unexpected arguments {remaining[1:]}: every setting is a "
+                "flag (--workdir=DIR, --config.FIELD=VALUE)")
+  return remaining, None

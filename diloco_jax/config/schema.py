@@ -224,6 +224,11 @@ def _data() -> Section:
       # this many sequential parts (same update, less activation memory).
       "microbatches": 1,
       "validation_fraction": 0.05,
+      # c4 shards with none named '*validation*': hold out
+      # validation_fraction of the train shards (by a hash of their names,
+      # at least one) to evaluate on. False: such shards are refused, since
+      # islands would silently get fewer shards than were given.
+      "hold_out_shards": False,
       "seed": 0,
       # A streamed or prepared corpus that gives no batch for this long
       # (a stalled file system, a FIFO) ends the run in one line naming

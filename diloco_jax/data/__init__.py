@@ -22,7 +22,7 @@ Modules, one concern each:
   of the step (iid and clustered), and the eval batches.
 - sharded_batches: island batches streamed from sharded documents, resumable
   from a few integers per island.
-- producer: a streamed corpus's next batches prepared by a background thread
+- read_ahead: a streamed corpus's next batches prepared by a background thread
   (`ReadAhead`), resuming exactly.
 - prepare: pre-tokenizing a corpus into token shards with worker processes,
   resumable (`python -m diloco_jax.data.prepare`).

@@ -25,6 +25,8 @@ from diloco_jax.data import text_files
 SHARD_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 # C4 names its held-out files "c4-validation.*": such names pick the split.
 VALIDATION_MARKER = "validation"
+VALIDATION_EXAMPLE = "c4-validation.00000-of-00008.json.gz"
+_NAMES_SHOWN = 3  # shard names a refusal lists
 # Lines of every shard parsed before a run compiles (check_first_lines): a
 # shard of another format fails at its first line. 100 lines of C4's size
 # (~2.2 kB each) took 7 ms a shard on a loaded 2-core machine, so all 1,032
@@ -53,14 +55,19 @@ def shards_problem(path: str) -> str | None:
   return None
 
 
-def split_shards(path: str, validation_fraction: float
+def split_shards(path: str, validation_fraction: float,
+                 hold_out: bool = False, field: str = "config.data.path",
+                 hold_out_flag: str = "--config.data.hold_out_shards=true"
                  ) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
   """(train, validation) shards, each sorted by path.
 
   Files whose names contain "validation" are the validation split when any
-  exist (C4's naming). Otherwise files are held out by the crc32 rule of
-  file_split, keeping both splits non-empty. A single file cannot be split by
-  file and is refused (DataError).
+  exist (C4's naming). Otherwise, with `hold_out`, files are held out by the
+  crc32 rule of file_split, keeping both splits non-empty (a single file
+  cannot be split by file and is refused); without it the shards are
+  refused (DataError naming `field`, the files found, and `hold_out_flag`):
+  holding out train shards unasked would leave the islands fewer shards than
+  were given.
   """
   root, relative_paths = text_files.resolve_text_files(path)
   relative_paths = [name for name in relative_paths if is_shard(name)]
@@ -68,9 +75,12 @@ def split_shards(path: str, validation_fraction: float
              for name in relative_paths]
   if any(by_name):
     is_validation = by_name
+  elif not hold_out:
+    raise errors.DataError(no_validation_shard(path, relative_paths, field,
+                                               hold_out_flag))
   elif len(relative_paths) < 2:
     raise errors.DataError(
-        f"config.data.path: {len(relative_paths)} C4 shard(s) at {path!r} and "
+        f"{field}: {len(relative_paths)} C4 shard(s) at {path!r} and "
         f"none named '*{VALIDATION_MARKER}*'; the split is by file, so give "
         f"at least two shards or a validation shard")
   else:
@@ -88,6 +98,19 @@ def split_shards(path: str, validation_fraction: float
                 for name, held_out in zip(relative_paths, is_validation)
                 if held_out]
   return train, validation
+
+
+def no_validation_shard(path: str, relative_paths: Sequence[str], field: str,
+                        hold_out_flag: str) -> str:
+  """The one line refusing shards of which none is named '*validation*'."""
+  shown = ", ".join(relative_paths[:_NAMES_SHOWN]) + (
+      ", ..." if len(relative_paths) > _NAMES_SHOWN else "")
+  return (f"{field}: none of the {len(relative_paths)} C4 shard(s) at "
+          f"{path!r} ({shown}) is named '*{VALIDATION_MARKER}*', so there is "
+          f"no eval split: add a validation shard there (C4's is "
+          f"{VALIDATION_EXAMPLE}, which python -m diloco_jax.data.c4_download "
+          f"fetches), or pass {hold_out_flag} to evaluate on train shards "
+          f"held out by a hash of their names")
 
 
 def _open_text(path: pathlib.Path):

@@ -46,8 +46,8 @@ from diloco_jax.data import embedded
 from diloco_jax.data import errors
 from diloco_jax.data import prepare_plan
 from diloco_jax.data import prepare_workers
-from diloco_jax.data import tfds_documents
 from diloco_jax.data import shard_files
+from diloco_jax.data import tfds_documents
 from diloco_jax.data import token_shards
 
 # Tokens a worker gathers before writing them out: a few MB of memory.

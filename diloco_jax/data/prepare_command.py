@@ -53,6 +53,11 @@ def main() -> None:
   validation_fraction = flags.DEFINE_float(
       "validation_fraction", 0.05, "Files held out for validation when none "
       "is named '*validation*' (as config.data.validation_fraction).")
+  hold_out_shards = flags.DEFINE_bool(
+      "hold_out_shards", False, "C4 shards none of which is named "
+      "'*validation*': hold out --validation_fraction of them for "
+      "validation (as config.data.hold_out_shards); without it they are "
+      "refused.")
   processes = flags.DEFINE_integer(
       "processes", len(os.sched_getaffinity(0)),
       "Worker processes, one shard each at a time (default: every CPU).")
@@ -73,7 +78,8 @@ def main() -> None:
       try:
         plan = prepare_plan.make_plan(
             corpus.value, path.value, output.value, tokenizer_path.value,
-            tfds_name.value, validation_fraction.value)
+            tfds_name.value, validation_fraction.value,
+            hold_out_shards.value)
       except OSError as error:  # an input removed while the plan read it
         raise errors.DataError(f"cannot read {error.filename}: "
                                f"{error.strerror or error}") from None

@@ -95,18 +95,19 @@ def _named_by_flags():
 
 
 def make_plan(corpus: str, path: str, output: str, tokenizer_path: str = "",
-              tfds_name: str = "", validation_fraction: float = 0.05
-              ) -> Plan:
+              tfds_name: str = "", validation_fraction: float = 0.05,
+              hold_out_shards: bool = False) -> Plan:
   """The shards to make of the source, checked (DataError in one line:
   arguments, the tokenizer, the first lines of every input shard); reads
   and writes nothing else."""
   with _named_by_flags():
     return _make_plan(corpus, path, output, tokenizer_path, tfds_name,
-                      validation_fraction)
+                      validation_fraction, hold_out_shards)
 
 
 def _make_plan(corpus: str, path: str, output: str, tokenizer_path: str,
-               tfds_name: str, validation_fraction: float) -> Plan:
+               tfds_name: str, validation_fraction: float,
+               hold_out_shards: bool) -> Plan:
   if corpus not in CORPORA:
     raise errors.DataError(f"--corpus={corpus!r} is not one of "
                            f"{', '.join(repr(name) for name in CORPORA)}")
@@ -117,7 +118,8 @@ def _make_plan(corpus: str, path: str, output: str, tokenizer_path: str,
   if corpus == "c4" and tfds_name:
     tasks, source = _tfds_tasks(tfds_name, path), f"TFDS {tfds_name}"
   elif corpus == "c4":
-    tasks, source = _c4_tasks(path, validation_fraction), f"c4 ({path})"
+    tasks = _c4_tasks(path, validation_fraction, hold_out_shards)
+    source = f"c4 ({path})"
   else:
     tasks = _text_tasks(path, validation_fraction)
     source = f"text_files ({path})"
@@ -139,12 +141,16 @@ def build_tokenizer(tokenizer_path: str) -> tokenizer_lib.Tokenizer:
       settings, max_vocab_size=tokenizer_lib.MAX_WIDE_VOCAB_SIZE)
 
 
-def _c4_tasks(path: str, validation_fraction: float) -> list[Task]:
+def _c4_tasks(path: str, validation_fraction: float,
+              hold_out_shards: bool) -> list[Task]:
   problem = c4_files.shards_problem(path)
   if problem:
     raise errors.DataError(f"--path: {problem}")
   splits = dict(zip(token_shards.SPLITS,
-                    c4_files.split_shards(path, validation_fraction)))
+                    c4_files.split_shards(
+                        path, validation_fraction, hold_out=hold_out_shards,
+                        field="--path",
+                        hold_out_flag="--hold_out_shards")))
   if not splits["train"]:
     raise errors.DataError(f"--path: every shard at {path!r} is named "
                            "'*validation*'; no train shards are left")
@@ -160,8 +166,8 @@ def _c4_tasks(path: str, validation_fraction: float) -> list[Task]:
 
 def _tfds_tasks(name: str, data_dir: str) -> list[Task]:
   if not tfds_documents.tfds_available():
-    raise errors.DataError(f"--tfds_name={name!r} needs tensorflow-datasets "
-                           "(pip install tensorflow-datasets)")
+    raise errors.missing_package(f"--tfds_name={name!r}",
+                                 "tensorflow-datasets")
   tasks = []
   for split in token_shards.SPLITS:
     records = tfds_documents.TfdsRecords(name, data_dir, split)

@@ -11,6 +11,7 @@ line naming the field, and a run checks it once.
 
 import dataclasses
 
+from absl import logging
 import numpy as np
 
 from diloco_jax.data import c4_files
@@ -61,6 +62,7 @@ class DataSettings:
   synthetic: SyntheticSettings
   vocab_size: int
   read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+  hold_out_shards: bool = False
 
   @property
   def streamed(self) -> bool:
@@ -91,7 +93,14 @@ def from_config(data_config) -> DataSettings:
       vocab_size=(synthetic.vocab_size + 1 if tokenizer is None  # + EOS
                   else tokenizer.vocab_size),
       read_timeout_s=float(data_config.get("read_timeout_s",
-                                                DEFAULT_READ_TIMEOUT_S)))
+                                                DEFAULT_READ_TIMEOUT_S)),
+      hold_out_shards=hold_out_shards(data_config))
+
+
+def hold_out_shards(data_config) -> bool:
+  """config.data.hold_out_shards, False when the field is absent (a config
+  written before it existed)."""
+  return bool(data_config.get("hold_out_shards", False))
 
 
 def of(data) -> DataSettings:
@@ -163,9 +172,8 @@ def _check_c4(data_config) -> None:
   if tfds_name:
     # path is the TFDS data_dir; empty means TFDS's default directory.
     if not tfds_documents.tfds_available():
-      raise errors.DataError(
-          f"config.data.tfds_name={tfds_name!r} needs tensorflow-datasets "
-          f"(pip install tensorflow-datasets)")
+      raise errors.missing_package(f"config.data.tfds_name={tfds_name!r}",
+                                   "tensorflow-datasets")
     return
   if not path:
     raise errors.DataError(
@@ -175,10 +183,24 @@ def _check_c4(data_config) -> None:
   problem = c4_files.shards_problem(path)
   if problem:
     raise errors.DataError(f"config.data.path: {problem}")
-  train, _ = c4_files.split_shards(path, data_config.validation_fraction)
+  if not isinstance(data_config.get("hold_out_shards", False), bool):
+    raise errors.DataError(
+        f"config.data.hold_out_shards must be true or false, got "
+        f"{data_config.get('hold_out_shards')!r}")
+  hold_out = hold_out_shards(data_config)
+  train, validation = c4_files.split_shards(
+      path, data_config.validation_fraction, hold_out=hold_out)
   if not train:
     raise errors.DataError(f"config.data.path: every shard at {path!r} is "
                            f"named '*validation*'; no train shards are left")
+  if hold_out and not any(c4_files.VALIDATION_MARKER in shard.name
+                          for shard in validation):
+    logging.info(
+        "config.data.path: no shard is named '*%s*': %d of the %d shards "
+        "held out for evaluation (config.data.hold_out_shards): %s",
+        c4_files.VALIDATION_MARKER, len(validation),
+        len(train) + len(validation),
+        ", ".join(shard.name for shard in validation))
 
 
 def _check_tokens(data_config, split: str) -> tokenizer_lib.Tokenizer:

@@ -19,7 +19,7 @@ position in its shards (see `token_batches`).
 
 The streamed corpus is tokenized as it is read, and a prepared one
 checks each shard's checksum as it first opens it, in a thread that keeps
-a few batches ready (`producer.ReadAhead`; a read that stalls for
+a few batches ready (`read_ahead.ReadAhead`; a read that stalls for
 config.data.read_timeout_s is one error naming its files, and
 `interrupt_waits` lets a stop end the wait); in-memory batches take
 microseconds and are built when asked for.
@@ -36,7 +36,7 @@ from diloco_jax.data import c4_files
 from diloco_jax.data import corpus as corpus_lib
 from diloco_jax.data import errors
 from diloco_jax.data import in_memory_batches
-from diloco_jax.data import producer
+from diloco_jax.data import read_ahead
 from diloco_jax.data import settings as settings_lib
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import tfds_documents
@@ -207,8 +207,9 @@ def _c4_documents(data_config, split: str, min_shards: int):
   if tfds_name:
     return tfds_documents.TfdsRecords(tfds_name, data_config.path, split,
                                       min_shards=min_shards)
-  train, validation = c4_files.split_shards(data_config.path,
-                                            data_config.validation_fraction)
+  train, validation = c4_files.split_shards(
+      data_config.path, data_config.validation_fraction,
+      hold_out=data_config.hold_out_shards)
   paths = train if split == "train" else validation
   c4_files.check_first_lines(paths)
   return c4_files.ShardFiles(paths)
@@ -239,7 +240,7 @@ def _streaming_source(data_config, num_islands: int, batch_size: int,
                            eos_id=tokenizer.eos_id, island_split=split)
   _read_first_batch(source)
   # Tokenizing on the fly costs host time per batch: a thread reads ahead.
-  return producer.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
+  return read_ahead.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
 
 
 def _token_source(data_config, num_islands: int, batch_size: int, seed: int,
@@ -256,21 +257,21 @@ def _token_source(data_config, num_islands: int, batch_size: int, seed: int,
   # Each island's first shard is checked whole here, before the workdir.
   _read_first_batch(source)
   # The checksums of the shards opened later are read in the thread.
-  return producer.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
+  return read_ahead.ReadAhead(source, wait_limit_s=data_config.read_timeout_s)
 
 
 def interrupt_waits(source: BatchSource, predicate) -> None:
   """Makes a next_batch of `source` that waits for a read end at once
-  (producer.WaitInterrupted) when `predicate()` turns true; in-memory
+  (read_ahead.WaitInterrupted) when `predicate()` turns true; in-memory
   sources never wait."""
-  if isinstance(source, producer.ReadAhead):
+  if isinstance(source, read_ahead.ReadAhead):
     source.interrupt_when(predicate)
 
 
 def close(source: BatchSource) -> None:
   """Stops what `source` reads in the background (a streamed corpus's
   read-ahead thread); the source is not used after."""
-  if isinstance(source, producer.ReadAhead):
+  if isinstance(source, read_ahead.ReadAhead):
     source.close()
 
 

@@ -48,6 +48,18 @@ class ByteTokenizer:
     return ids[is_byte].astype(np.uint8).tobytes()
 
 
+def import_sentencepiece():
+  """The sentencepiece module, imported here: only SentencePiece tokenizers
+  need it, and the run set (requirements.txt) leaves it out. DataError in
+  one line naming the extra to install when it is missing."""
+  try:
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise errors.missing_package("a SentencePiece tokenizer",
+                                 "sentencepiece") from None
+  return sentencepiece
+
+
 class SentencePieceTokenizer:
   """A SentencePiece model read from a `.model` file.
 
@@ -59,8 +71,7 @@ class SentencePieceTokenizer:
   """
 
   def __init__(self, model_path: str, max_vocab_size: int = _MAX_VOCAB_SIZE):
-    # Imported here: only this tokenizer needs the package.
-    import sentencepiece  # pylint: disable=g-import-not-at-top
+    sentencepiece = import_sentencepiece()
     model_proto = _read_model_proto(model_path)
     try:
       self._processor = sentencepiece.SentencePieceProcessor(

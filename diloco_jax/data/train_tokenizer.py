@@ -10,6 +10,9 @@ on the lines of their documents until --megabytes of text are read. The
 model is saved beside the shards as spm_{vocab_size}_{megabytes}mb.model,
 or at --output, and reused when it is there already: runs that are compared
 must share one tokenizer, and training a 32k vocabulary takes minutes.
+Shards that hold less text than --megabytes are read whole, and the name
+says what they held (spm_8192_1.8mb.model for 1.8 MB). A vocabulary that
+text cannot fill is refused in one line naming the largest it can.
 It prints the flag that points a run at it:
 --config.data.tokenizer_path=PATH.
 
@@ -18,14 +21,17 @@ text may break ties differently: train once and share the file.
 """
 from collections.abc import Iterable, Iterator
 import io
+import math
 import os
 import pathlib
+import re
 import sys
 import time
 
 from diloco_jax.data import c4_files
 from diloco_jax.data import errors
 from diloco_jax.data import text_files
+from diloco_jax.data import tokenizer as tokenizer_lib
 
 # The split of train shards from validation ones when no shard is named
 # '*validation*' (config.data.validation_fraction's default).
@@ -33,10 +39,32 @@ VALIDATION_FRACTION = 0.05
 _BYTES_PER_MB = 10**6
 
 
-def model_path(path: str, vocab_size: int, megabytes: int) -> pathlib.Path:
-  """Where `train` caches the model of shards at `path`: beside them."""
+def model_path(path: str, vocab_size: int, megabytes: float
+               ) -> pathlib.Path:
+  """Where `train` caches the model of shards at `path`: beside them,
+  named by its vocabulary and the megabytes of text it was trained on."""
   root, _ = text_files.resolve_text_files(path)
-  return root / f"spm_{vocab_size}_{megabytes}mb.model"
+  return root / f"spm_{vocab_size}_{megabytes_name(megabytes)}mb.model"
+
+
+def megabytes_name(megabytes: float) -> str:
+  """`megabytes` as a model's name gives it: whole numbers as they are,
+  others rounded down to a tenth (1.83 -> 1.8) or, below 1, to two
+  significant digits (0.0534 -> 0.053), so a name never claims more
+  text than the model saw."""
+  if megabytes == int(megabytes):
+    return str(int(megabytes))
+  digits = max(1, 1 - math.floor(math.log10(megabytes)))
+  value = math.floor(megabytes * 10**digits) / 10**digits
+  return f"{value:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def sample_bytes(shards: Iterable[pathlib.Path], megabytes: float) -> int:
+  """The UTF-8 bytes of text sample_lines yields: at least `megabytes`
+  (the last line may cross it), or all the shards hold when that is less.
+  """
+  return sum(len(line.encode("utf-8"))
+             for line in sample_lines(shards, megabytes))
 
 
 def sample_lines(shards: Iterable[pathlib.Path], megabytes: float
@@ -87,15 +115,31 @@ def train(path: str, vocab_size: int = 32_000, megabytes: int = 100,
             else model_path(path, vocab_size, megabytes))
   if target.exists():
     return target, False
+  # Without a validation shard, train shards are held out as a run with
+  # config.data.hold_out_shards holds them out (its default fraction), so
+  # the tokenizer never reads the text such a run evaluates on.
+  shards, _ = c4_files.split_shards(path, VALIDATION_FRACTION, hold_out=True,
+                                    field="--path")
+  c4_files.check_first_lines(shards)
+  held = sample_bytes(shards, megabytes) / _BYTES_PER_MB
+  if not held:
+    raise errors.DataError(f"--path: the train shards at {path!r} hold no "
+                           "text")
+  short = held < megabytes
+  if short and not output:
+    # The name says what the model holds, not what was asked for.
+    target = model_path(path, vocab_size, held)
+    if target.exists():
+      return target, False
   if not os.access(target.parent, os.W_OK):
     raise errors.DataError(
         f"cannot write {target}: its directory is missing or not writable; "
         "pass --output= a writable path")
-  shards, _ = c4_files.split_shards(path, VALIDATION_FRACTION)
-  c4_files.check_first_lines(shards)
+  sentencepiece = tokenizer_lib.import_sentencepiece()
+  text = (f"all {megabytes_name(held)} MB of text of the train shards at "
+          f"{path!r} (less than --megabytes={megabytes})" if short
+          else f"{megabytes} MB of text of the train shards at {path!r}")
   model = io.BytesIO()
-  # pylint: disable-next=g-import-not-at-top
-  import sentencepiece  # a dependency, but only this trainer needs it here
   try:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=sample_lines(shards, megabytes),
@@ -103,9 +147,19 @@ def train(path: str, vocab_size: int = 32_000, megabytes: int = 100,
         byte_fallback=True, character_coverage=0.9995,
         num_threads=threads or os.cpu_count() or 1, minloglevel=2)
   except RuntimeError as error:  # what its trainer raises for bad input
+    reason = _first_line(error)
+    most = re.search(r"Vocabulary size too high .*value <= (\d+)", reason)
+    if most:
+      raise errors.DataError(
+          f"--vocab_size={vocab_size} is more pieces than {text} can "
+          f"fill: at most {most.group(1)}; pass --vocab_size={most.group(1)} "
+          "or less (a config's model.vocab_size must be at least it), or "
+          "give it more text (" + ("more shards" if short
+                                   else "a larger --megabytes") + ")"
+      ) from error
     raise errors.DataError(
-        f"cannot train a {vocab_size}-piece SentencePiece model on "
-        f"{megabytes} MB of {path!r}: {_first_line(error)}") from error
+        f"cannot train a {vocab_size}-piece SentencePiece model on {text}: "
+        f"{reason}") from error
   _write_atomically(target, model.getvalue())
   return target, True
 
@@ -173,7 +227,7 @@ def main() -> None:
     except errors.DataError as error:
       sys.exit(f"error: {error}")
     if trained:
-      print(f"trained {target.name} on the first {megabytes.value} MB of "
+      print(f"trained {target.name} on the train shards at "
             f"{path.value} in {time.perf_counter() - started:.1f} s")
     else:
       print(f"{target} exists: reused (delete it to train again)")

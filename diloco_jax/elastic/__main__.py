@@ -1,6 +1,7 @@
 """python -m diloco_jax.elastic --config=configs/tiny.py --workdir=DIR:
 a run on elastic islands (each island its own process under Ray)."""
 
+import importlib.util
 import sys
 
 from absl import app
@@ -9,12 +10,20 @@ from absl import logging
 from ml_collections import config_flags
 
 from diloco_jax.config import config_files
+from diloco_jax.config import flag_errors
 from diloco_jax.config import problems
 from diloco_jax.config import validation
+
+if importlib.util.find_spec("ray") is None:
+  raise SystemExit(
+      "error: elastic islands run under Ray, which requirements.txt leaves "
+      "out: pip install -e '.[elastic]' (or -r requirements-dev.txt)")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from diloco_jax.elastic import driver
 from diloco_jax.elastic import settings
-from diloco_jax.run import quiet_logs
-from diloco_jax.run import workdir
+from diloco_jax.storage import workdir
+from diloco_jax.telemetry import quiet_logs
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "A config file (configs/*.py), as for diloco_jax.main.")
@@ -56,7 +65,15 @@ def main(argv):
     print(f"{said}, {summary['wall_seconds']:.1f}s")
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """The flags, or one `error:` line for a mistake in them."""
+  remaining, problem = flag_errors.parse_flags(argv, _CONFIG)
+  if problem:
+    raise SystemExit(f"error: {problem}")
+  return remaining
+
+
 if __name__ == "__main__":
   # Configs that import their siblings load from any directory.
   config_files.importable(sys.argv)
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

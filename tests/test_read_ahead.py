@@ -1,4 +1,4 @@
-"""The streamed corpus's read-ahead thread (data/producer.py).
+"""The streamed corpus's read-ahead thread (data/read_ahead.py).
 
 It hands out the batches and positions the source itself would, resumes
 exactly, raises the source's errors in the loop as the source would, and
@@ -20,12 +20,12 @@ import pytest
 from configs import tiny
 from diloco_jax.data import c4_files
 from diloco_jax.data import errors
-from diloco_jax.data import producer
+from diloco_jax.data import read_ahead
 from diloco_jax.data import sharded_batches
 from diloco_jax.data import sources
 from diloco_jax.data import tokenizer as tokenizer_lib
-from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import train
+from diloco_jax.telemetry import metrics_files as metrics_lib
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_data_c4
@@ -82,7 +82,7 @@ def _wait_until(predicate, timeout: float = 60.0) -> None:
 
 def _new_threads(before: set) -> list:
   return [thread for thread in threading.enumerate()
-          if thread not in before and thread.name == producer.THREAD_NAME]
+          if thread not in before and thread.name == read_ahead.THREAD_NAME]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def c4_dir(tmp_path_factory):
 def test_streamed_corpora_are_read_ahead_and_in_memory_ones_are_not(c4_dir):
   streamed = sources.make_batch_source(_c4_data_config(path=str(c4_dir)),
                                        num_islands=2, batch_size=2, seed=3)
-  assert isinstance(streamed, producer.ReadAhead)
+  assert isinstance(streamed, read_ahead.ReadAhead)
   direct = _stream(c4_dir)
   for _ in range(5):
     np.testing.assert_array_equal(streamed.next_batch(), direct.next_batch())
@@ -108,7 +108,7 @@ def test_streamed_corpora_are_read_ahead_and_in_memory_ones_are_not(c4_dir):
   # bound is a step's order of magnitude, loose for a loaded machine.
   in_memory = sources.make_batch_source(helpers.small_data_config(),
                                         num_islands=2, batch_size=4, seed=0)
-  assert not isinstance(in_memory, producer.ReadAhead)
+  assert not isinstance(in_memory, read_ahead.ReadAhead)
   times = []
   for _ in range(50):
     start = time.perf_counter()
@@ -121,17 +121,17 @@ def test_streamed_corpora_are_read_ahead_and_in_memory_ones_are_not(c4_dir):
 def test_state_is_the_last_batch_handed_out_not_the_read_ahead(c4_dir,
                                                                handed):
   counted = _Counted(_stream(c4_dir))
-  source, direct = producer.ReadAhead(counted), _stream(c4_dir)
+  source, direct = read_ahead.ReadAhead(counted), _stream(c4_dir)
   for _ in range(handed):
     np.testing.assert_array_equal(source.next_batch(), direct.next_batch())
   if handed:  # the queue is full and the thread holds one more batch
-    _wait_until(lambda: counted.reads == handed + producer.DEPTH + 1)
+    _wait_until(lambda: counted.reads == handed + read_ahead.DEPTH + 1)
   state = source.state()
   assert state == direct.state()
   expected = [direct.next_batch() for _ in range(12)]
   # The same source, and a new one restored from the saved JSON, go on
   # with the direct source's batches.
-  resumed = producer.ReadAhead(_Counted(_stream(c4_dir)))
+  resumed = read_ahead.ReadAhead(_Counted(_stream(c4_dir)))
   resumed.restore(json.loads(json.dumps(state)))
   for batch in expected:
     np.testing.assert_array_equal(source.next_batch(), batch)
@@ -146,7 +146,7 @@ def test_state_is_the_last_batch_handed_out_not_the_read_ahead(c4_dir,
 
 
 def test_a_refused_state_leaves_the_source_where_it_was(c4_dir):
-  source, direct = producer.ReadAhead(_Counted(_stream(c4_dir))), _stream(
+  source, direct = read_ahead.ReadAhead(_Counted(_stream(c4_dir))), _stream(
       c4_dir)
   for _ in range(3):
     source.next_batch(), direct.next_batch()
@@ -160,12 +160,12 @@ def test_a_refused_state_leaves_the_source_where_it_was(c4_dir):
 def test_close_ends_the_thread_within_a_bound(c4_dir):
   before = set(threading.enumerate())
   counted = _Counted(_stream(c4_dir))
-  source = producer.ReadAhead(counted)
+  source = read_ahead.ReadAhead(counted)
   source.close()  # never started: nothing to end
   assert not _new_threads(before)
-  source = producer.ReadAhead(counted)
+  source = read_ahead.ReadAhead(counted)
   source.next_batch()
-  _wait_until(lambda: counted.reads == 1 + producer.DEPTH + 1)
+  _wait_until(lambda: counted.reads == 1 + read_ahead.DEPTH + 1)
   (thread,) = _new_threads(before)  # blocked on the full queue
   assert thread.daemon  # never keeps a process alive
   start = time.monotonic()
@@ -201,7 +201,7 @@ def test_a_source_error_reaches_the_loop_where_the_source_raises_it(
     for _ in range(10_000):
       good.append(direct.next_batch())
   before = set(threading.enumerate())
-  source = producer.ReadAhead(_Counted(_stream(tmp_path)))
+  source = read_ahead.ReadAhead(_Counted(_stream(tmp_path)))
   for batch in good:  # the batches read before the error come first
     np.testing.assert_array_equal(source.next_batch(), batch)
   for _ in range(2):  # then the source's own error, each time asked
