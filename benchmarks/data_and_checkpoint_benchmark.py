@@ -143,7 +143,7 @@ def _checkpoint(tmp: str) -> None:
   from diloco_jax.config import overlap_defaults  # pylint: disable=g-import-not-at-top
   from diloco_jax.config import run_config  # pylint: disable=g-import-not-at-top
   from diloco_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
-  from diloco_jax.run import checkpoints  # pylint: disable=g-import-not-at-top
+  from diloco_jax.storage import checkpoints  # pylint: disable=g-import-not-at-top
   c4 = c4_150m.get_config()
   islands = _ISLANDS.value
   _, params = model_lib.init_params(c4.model, 0)

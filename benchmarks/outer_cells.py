@@ -43,8 +43,8 @@ LAYOUTS = {
     "stages": {"mesh.stage": 2},
     "host": {"diloco.outer_placement": "host"},
     # Not in the default grid (--layouts): each stage's outer side on an
-    # outer device of its own (run/host_outer.py's per-stage side; with
-    # streaming, run/stage_fragments.py's StageFragmentOuter).
+    # outer device of its own (compiled/host_outer.py's per-stage side; with
+    # streaming, compiled/stage_sends.py's StageFragmentOuter).
     "host+stages": {"diloco.outer_placement": "host", "mesh.stage": 2},
 }
 DEFAULT_LAYOUTS = ("plain", "fsdp", "stages", "host")

@@ -39,15 +39,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import model_loss
 from diloco_jax.config import schema as config_schema
+from diloco_jax.config import state_spec
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel.mesh import STAGE
 from diloco_jax.parallel import pipeline
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
-from diloco_jax.parallel.mesh import STAGE
-from diloco_jax.run import setup as setup_lib
-from diloco_jax.run import state_spec
 
 _SECTIONS = flags.DEFINE_list("sections", ["bubble", "memory"],
                               "Which tables to print.")
@@ -149,7 +149,7 @@ def _memory_row(stages: int) -> tuple[int, int, int]:
   batch = jax.ShapeDtypeStruct((1, 16, 129), jnp.int32, sharding=(
       NamedSharding(mesh, state_lib.BATCH_SPEC)))
   step = inner_step_lib.make_inner_step(
-      setup_lib.loss_function(config, mesh), spec.inner_opt, mesh)
+      model_loss.loss_function(config, mesh), spec.inner_opt, mesh)
   memory = step.lower(state, batch).compile().memory_analysis()
   held = stages_lib.bytes_per_device(
       [state.global_params, state.outer.outer_opt_state, state.island_params,

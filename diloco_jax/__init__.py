@@ -8,8 +8,10 @@ from the layers below it (tests/test_layers.py checks this):
                        multi-process launcher
   elastic/             islands as programs of their own under Ray, synced
                        through a coordinator (`python -m diloco_jax.elastic`)
-  run/                 the driver: setup, the loop, checkpoints, metrics,
-                       the outer step on devices of its own
+  run/                 the driver: setup, where a run starts, the loop
+  compiled/  telemetry/  the compiled programs (and the outer step on
+                       devices of its own); metrics, records, summaries
+  storage/             the workdir, its files, checkpoints, resuming
   analysis/            FLOPs, bytes over the link, the network model
   config/              the schema, one validation, RunConfig
   algorithm/           pure functions over pytrees: inner and outer steps,

@@ -17,10 +17,10 @@ from diloco_jax.algorithm import inner_step as inner_step_lib
 from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import programs as programs_lib
 from diloco_jax.config import schema as config_schema
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import programs as programs_lib
 
 
 def tiny_model_config(vocab_size: int = 33):

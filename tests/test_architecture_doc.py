@@ -11,7 +11,7 @@ unless its first directory is another top-level directory of the
 repository (`tests/test_layers.py`). A bare name (`outer_checks.py`) is in
 the diloco_jax/ directory of the path named before it in the same table
 row or paragraph (`algorithm/outer_state.py`, `outer_checks.py`; `data/`
-| ... `producer.py`), or at the top of diloco_jax/ if none was
+| ... `read_ahead.py`), or at the top of diloco_jax/ if none was
 (`main.py`). The "before" column of a table
 (the page's moved modules) names modules that are gone by design and is
 skipped. Reads the page only: no jax import.

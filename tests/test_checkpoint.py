@@ -18,9 +18,9 @@ import pytest
 from configs import tiny
 from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import train
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.telemetry import metrics_files as metrics_lib
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ tests/fixtures/checkpoints_21e50ab holds step 4 of an 8-step run per
 overlap (one-step delay, eager updates, Streaming DiLoCo, SparseLoCo),
 written by tests/fixtures/write_checkpoint_fixtures.py before the
 TrainState held the outer object's state as one field: each resumes
-through the converter (run/legacy_state.py).
+through the converter (storage/legacy_state.py).
 """
 
 import json

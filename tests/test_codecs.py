@@ -298,7 +298,7 @@ def test_resume_with_codec_state_is_exact(tmp_path):
 
 def test_toggling_error_feedback_is_an_incompatible_checkpoint(tmp_path):
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.storage import checkpoints as checkpointing
   from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = tiny.get_config()
   config.total_steps = 4

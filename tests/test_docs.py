@@ -40,7 +40,7 @@ from diloco_jax.config import validation
 from diloco_jax.data import prepare
 from diloco_jax.data import prepare_plan
 from diloco_jax.elastic import settings as elastic_settings
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "BUILD.md",
@@ -546,3 +546,40 @@ def test_the_scales_the_pages_quote_are_the_configs():
     if not _agrees(quoted, actual):
       wrong.append(f"{scale} {what}: {quoted}, the config {actual:,}")
   assert not wrong, "\n".join(wrong)
+
+
+# One home per measured figure.
+
+# Headline figures as the pages write them, each with the one page that
+# holds it: the page whose table measured it (docs/results.md for the
+# studies). Every other page links to that page instead of restating the
+# figure, so a new measurement is one edit.
+FIGURE_HOMES = {
+    "+2.3%": "docs/results.md",  # eager updates after 2 warm-up rounds
+    "+1.5% ± 0.5": "docs/results.md",  # DiLoCo k = 4 against DDP at 0.82M
+    "54x": "docs/results.md",  # SparseLoCo 2% in 2 bits against fp32
+    "-0.6% ± 0.8": "docs/results.md",  # sign pruning 25%
+    "+6.5%": "docs/results.md",  # adaptive low rank in the codecs study
+    "25-240 s": "docs/results.md",  # a large-scale study run on one H100
+    "7.75x": "docs/compression.md",  # int4 on the default config
+    "1.25x": "docs/benchmarks.md",  # the GPU inner step against torch.compile
+    "40.5%": "docs/benchmarks.md",  # model FLOP utilization on one H100
+    "0.50x": "docs/elastic.md",  # pipelined delayed rounds at 10 Mbit/s
+    "0.83 of": "docs/elastic.md",  # compute used by time-budgeted rounds
+    "-12% to +11%": "docs/shaped_links.md",  # shaped runs against the model
+    "1,182 tests": "BUILD.md",  # the suite
+}
+ALL_PAGES = sorted([*PAGES, ROOT / "CONTRIBUTING.md"])
+
+
+def test_each_headline_figure_has_one_home():
+  problems = []
+  for figure, home in FIGURE_HOMES.items():
+    # Not inside a longer number: "54x" is not in "0.54x".
+    pattern = re.compile(r"(?<![\d.])" + re.escape(figure))
+    found = [str(page.relative_to(ROOT)) for page in ALL_PAGES
+             if pattern.search(page.read_text())]
+    if found != [home]:
+      problems.append(f"{figure!r} is on {found or 'no page'}; its home is "
+                      f"{home}: link there instead of restating it")
+  assert not problems, "\n".join(problems)

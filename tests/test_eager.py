@@ -19,7 +19,7 @@ from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import validation
 from diloco_jax.run import train
-from diloco_jax.run import warm_start
+from diloco_jax.storage import warm_start
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_overlap

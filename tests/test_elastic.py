@@ -24,6 +24,7 @@ from diloco_jax.algorithm import fragments
 from diloco_jax.algorithm import library as diloco
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.config import problems
+from diloco_jax.config import state_spec
 from diloco_jax.config import validation
 from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import island as island_lib
@@ -32,7 +33,6 @@ from diloco_jax.elastic import payloads
 from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import state_spec
 from diloco_jax.run import train
 from benchmarks import netns
 from tests import helpers

@@ -149,7 +149,7 @@ def _lines(done):
 @pytest.mark.slow
 def test_a_second_coordinator_on_a_workdir_is_refused(lifecycle):  # pylint: disable=redefined-outer-name
   """While A trains, B on the same workdir is refused by the workdir's
-  lock (run/workdir.py's, as the SPMD runs take it) in one line naming
+  lock (storage/workdir.py's, as the SPMD runs take it) in one line naming
   A's pid, exits non-zero and writes nothing there. A's lock, left in its
   file when A is SIGKILLed, does not stop C (the kernel dropped it)."""
   second = lifecycle["second"]

@@ -16,11 +16,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import tiny
+from diloco_jax.compiled import model_loss
 from diloco_jax.model import embedding
 from diloco_jax.model import transformer as model
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import stages as stages_lib
-from diloco_jax.run import setup as setup_lib
 from tests import test_model
 
 VOCAB, D = 64, 8
@@ -151,7 +151,7 @@ def test_pipeline_stages_take_rows_the_same_way():
   staged = jax.device_put(layout.split_params(params),
                           NamedSharding(mesh, PartitionSpec(mesh_lib.STAGE)))
   tokens = test_model.random_tokens(0, (4, test_model.SEQ + 1))
-  loss_fn = setup_lib.loss_function(config, mesh)
+  loss_fn = model_loss.loss_function(config, mesh)
   hlo = jax.jit(jax.grad(loss_fn)).lower(staged, tokens).as_text(
       dialect="hlo")
   scatters = [line for line in hlo.splitlines()

@@ -23,11 +23,11 @@ import pytest
 
 from configs import tiny
 from diloco_jax.config import validation
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import metrics as metrics_lib
-from diloco_jax.run import records
 from diloco_jax.run import train
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.storage import workdir as workdir_lib
+from diloco_jax.telemetry import metrics_files as metrics_lib
+from diloco_jax.telemetry import reports
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -441,7 +441,7 @@ def test_timed_steps_counts_each_attempt_from_its_own_clock():
              # resumed after step 2: this attempt's clock starts again
              {"step": 3, "elapsed_s": 2.0, "tokens_seen": 30},
              {"step": 4, "elapsed_s": 3.5, "tokens_seen": 40}]
-  assert records.timed_steps(metrics) == (3, 30, 1.0 + 2.0 + 1.5)
+  assert reports.timed_steps(metrics) == (3, 30, 1.0 + 2.0 + 1.5)
 
 
 def test_the_eta_after_a_resume_counts_the_steps_taken_since(tmp_path,

@@ -20,8 +20,10 @@ RANKS = {
     "algorithm": 2,
     "config": 3,
     "analysis": 4,
-    "run": 5,
-    "elastic": 6,
+    "storage": 5,
+    "compiled": 6, "telemetry": 6,
+    "run": 7,
+    "elastic": 8,
 }
 ENTRY_POINTS = {"__init__", "main", "launch"}  # above every layer
 
@@ -147,7 +149,7 @@ def test_the_config_check_sees_an_import_and_a_section(tmp_path):
                                    "m.py:2: takes config"]
 
 
-# The run and elastic layers read config.diloco as RunConfig.diloco
+# The layers above config/ read config.diloco as RunConfig.diloco
 # (DiLoCoSettings, built once by config/run_config.py), not field by field
 # from a config. What stands before `.diloco` tells them apart: a RunConfig
 # under the name `run_config` (or an attribute `run_config`/`_run_config`)
@@ -156,7 +158,7 @@ def test_the_config_check_sees_an_import_and_a_section(tmp_path):
 # and a bare `<something>.diloco` hands the raw section on (an alias, or a
 # helper reading it).
 TYPED_DILOCO_HOLDERS = {"run_config", "_run_config"}
-DILOCO_READERS = ("run", "elastic")
+DILOCO_READERS = ("storage", "compiled", "telemetry", "run", "elastic")
 WHOLE_SECTION = "(whole section)"
 
 # The raw reads that stay: (module under diloco_jax/, field) -> why.
@@ -169,10 +171,6 @@ RAW_DILOCO_READS = {
     # The device count validate_config checks an elastic run with (one
     # island's devices x the islands): no RunConfig exists yet.
     ("elastic/__main__.py", "islands"): "pre-validation device count",
-    # state_spec.for_config builds a StateSpec from any config, the one a
-    # checkpoint recorded included (no RunConfig): a builder, as
-    # config/run_config.py's are.
-    ("run/state_spec.py", WHOLE_SECTION): "builds from a recorded config",
 }
 
 
@@ -209,7 +207,7 @@ def _raw_diloco_reads(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def test_the_run_and_elastic_layers_read_config_diloco_typed():
-  """run/ and elastic/ read run_config.diloco (DiLoCoSettings); each raw
+  """The layers above config/ read run_config.diloco (DiLoCoSettings); each raw
   read left is in RAW_DILOCO_READS, and each entry there is still needed."""
   raw, used = [], set()
   for layer in DILOCO_READERS:
@@ -221,7 +219,7 @@ def test_the_run_and_elastic_layers_read_config_diloco_typed():
         else:
           raw.append(f"diloco_jax/{module}:{line}: .diloco {field}")
   assert not raw, (
-      "raw config.diloco reads in run/ or elastic/ (read run_config.diloco, "
+      "raw config.diloco reads above config/ (read run_config.diloco, "
       "adding a DiLoCoSettings field where one is missing):\n"
       + "\n".join(raw))
   stale = sorted(set(RAW_DILOCO_READS) - used)

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-from diloco_jax import launch
 from diloco_jax.data import sources
+from diloco_jax import launch
 from diloco_jax.parallel import multihost
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import workdir as workdir_lib
 from tests import helpers
 from tests import test_checkpoint
 

@@ -15,11 +15,11 @@ from diloco_jax.algorithm import library
 from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import host_outer
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import outer_devices as outer_devices_lib
 from diloco_jax.parallel import placement
-from diloco_jax.run import host_outer
 from diloco_jax.run import train
 from tests import helpers
 from tests import test_checkpoint

@@ -32,10 +32,10 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from configs import tiny
 from diloco_jax.data import errors as data_errors
 from diloco_jax.data import text_files
-from diloco_jax.run import files
-from diloco_jax.run import metrics as metrics_lib
 from diloco_jax.run import train
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import files
+from diloco_jax.storage import workdir as workdir_lib
+from diloco_jax.telemetry import metrics_files as metrics_lib
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

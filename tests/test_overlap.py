@@ -30,8 +30,8 @@ from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import overlap_watch
 from diloco_jax.run import train
+from diloco_jax.telemetry import rising_loss
 from tests import helpers
 from tests import test_checkpoint
 
@@ -446,10 +446,10 @@ def test_a_rising_eval_loss_under_an_overlap_warns_once(caplog):
   outer.learning_rate, outer.momentum = 0.7, 0.9
   losses = [3.0, 2.8, 2.9, 3.0, 3.1, 3.2, 3.3]
   with caplog.at_level("WARNING"):
-    watch = overlap_watch.RisingLossWatch("one_step_delay", outer)
+    watch = rising_loss.RisingLossWatch("one_step_delay", outer)
     for step, loss in enumerate(losses):
       watch.observe(step, loss)
-    quiet = overlap_watch.RisingLossWatch("none", outer)
+    quiet = rising_loss.RisingLossWatch("none", outer)
     for step, loss in enumerate(losses):
       quiet.observe(step, loss)
   warnings = [r.getMessage() for r in caplog.records
@@ -462,7 +462,7 @@ def test_a_rising_eval_loss_under_an_overlap_warns_once(caplog):
 
 def test_a_falling_then_flat_eval_loss_does_not_warn():
   outer = config_schema.base_config().diloco.outer_optimizer
-  watch = overlap_watch.RisingLossWatch("eager", outer)
+  watch = rising_loss.RisingLossWatch("eager", outer)
   for step, loss in enumerate([3.0, 3.1, 3.2, 3.1, 3.2, 3.3, 3.3]):
     watch.observe(step, loss)
   assert not watch.warned

@@ -29,19 +29,20 @@ from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.analysis import link_bytes
 from diloco_jax.codecs import dense as codecs
+from diloco_jax.compiled import model_loss
 from diloco_jax.config import run_config
+from diloco_jax.config import state_spec
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
+from diloco_jax.parallel.mesh import STAGE
 from diloco_jax.parallel import pipeline
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
-from diloco_jax.parallel.mesh import STAGE
-from diloco_jax.run import checkpoints as checkpoints_lib
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import start as start_lib
-from diloco_jax.run import state_spec
 from diloco_jax.run import train
+from diloco_jax.storage import checkpoints as checkpoints_lib
 from tests import helpers
 from tests import test_checkpoint
 
@@ -107,7 +108,7 @@ def _pipelined_loss_and_grads(model, params, sequences, stages, repeats,
   config.pipeline.repeats = repeats
   mesh = mesh_lib.build_mesh(1, 1, stages)
   layout = stages_lib.StageLayout(stages, repeats, model.num_layers)
-  loss_fn = setup_lib.loss_function(config, mesh)
+  loss_fn = model_loss.loss_function(config, mesh)
   staged = jax.device_put(layout.split_params(params),
                           NamedSharding(mesh, P(STAGE)))
   loss, grads = jax.jit(jax.value_and_grad(loss_fn))(staged, sequences)

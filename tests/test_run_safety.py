@@ -27,11 +27,11 @@ from diloco_jax.algorithm import guards
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import validation
 from diloco_jax.data import errors as data_errors
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import integrity
-from diloco_jax.run import resume
 from diloco_jax.run import train
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.storage import integrity
+from diloco_jax.storage import resume
+from diloco_jax.storage import workdir as workdir_lib
 from tests import helpers
 from tests import test_checkpoint
 

@@ -17,13 +17,13 @@ from configs import tiny
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.analysis import link_bytes
+from diloco_jax.compiled import stage_sends
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import stage_parts
-from diloco_jax.run import resume as resume_lib
 from diloco_jax.run import setup as setup_lib
-from diloco_jax.run import stage_fragments
+from diloco_jax.storage import resume as resume_lib
 from tests import helpers
 from tests import test_checkpoint
 from tests import test_multihost
@@ -119,11 +119,11 @@ def test_a_stage_s_send_and_merge_are_the_unpipelined_ones_on_its_share(
   spec, mesh, stages = setup.spec, setup.mesh, 2
   logical = _logical_state(setup)
   weights = np.array([1.0, 3.0], np.float32)
-  sends = stage_fragments.compile_sends(
+  sends = stage_sends.compile_sends(
       mesh, setup.steps_state, setup.weights_shape, outer=spec.outer,
       rounding_seed=None,
       stripes=config.mesh.data if config.mesh.fsdp else 1)
-  merges = stage_fragments.compile_merges(
+  merges = stage_sends.compile_merges(
       mesh, setup.steps_state, alpha=config.diloco.fragment_alpha,
       inner_opt=spec.inner_opt)
   to_steps = jax.jit(spec.staged, out_shardings=jax.tree.map(

@@ -521,7 +521,7 @@ def test_resume_with_the_adaptive_codec_state_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_changing_the_rank_range_is_an_incompatible_checkpoint(tmp_path):
-  from diloco_jax.run import checkpoints as checkpointing
+  from diloco_jax.storage import checkpoints as checkpointing
   from diloco_jax.run import train  # pylint: disable=g-import-not-at-top
   config = _tiny_adaptive_config()
   config.total_steps = 3

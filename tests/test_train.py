@@ -247,7 +247,7 @@ def test_a_run_checks_its_config_once_and_the_loop_parses_nothing(
 def test_the_round_ends_compile_nothing_once_training_started(overrides,
                                                               tmp_path):
   """Every program the syncs, evals and checks run is compiled at start-up
-  (run/programs.py), so no round end waits for XLA. The one exception is
+  (compiled/programs.py), so no round end waits for XLA. The one exception is
   orbax's own: at the first save it slices each array replicated over the
   islands' devices among them, an eager jit(slice) per shape and device."""
   import logging  # pylint: disable=g-import-not-at-top

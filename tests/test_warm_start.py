@@ -19,14 +19,14 @@ from configs import tiny
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config
+from diloco_jax.config import state_spec
 from diloco_jax.config import validation
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import metrics as metrics_lib
-from diloco_jax.run import state_spec
 from diloco_jax.run import stops
 from diloco_jax.run import train
-from diloco_jax.run import warm_start
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.storage import warm_start
+from diloco_jax.telemetry import metrics_files as metrics_lib
 from tests import helpers
 
 TOTAL, PRETRAIN, H = 12, 4, 4

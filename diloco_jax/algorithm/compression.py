@@ -29,9 +29,9 @@ from diloco_jax.algorithm import sparse_chunks_mean
 from diloco_jax.codecs import dense as codecs
 from diloco_jax.codecs import lowrank
 from diloco_jax.parallel import communication
+from diloco_jax.parallel.mesh import ISLANDS
 from diloco_jax.parallel import multihost
 from diloco_jax.parallel import placement
-from diloco_jax.parallel.mesh import ISLANDS
 
 STRUCTURED_CODECS = ("sign_prune", "topk", "lowrank", "adaptive_lowrank")
 CODECS = codecs.DENSE_CODECS + STRUCTURED_CODECS

@@ -4,8 +4,8 @@ programs over the state."""
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.inner_step import LossFn
+from diloco_jax.algorithm import state as state_lib
 from diloco_jax.algorithm.state import TrainState
 
 

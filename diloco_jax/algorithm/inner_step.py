@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.parallel import communication
-from diloco_jax.parallel import placement
 from diloco_jax.parallel.mesh import DATA, STAGE
+from diloco_jax.parallel import placement
 from diloco_jax.parallel.placement import PER_ISLAND
 from diloco_jax.parallel.stages import per_stage
 

@@ -14,11 +14,22 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.parallel import communication
-from diloco_jax.parallel import placement
-from diloco_jax.parallel import stages as stages_lib
 from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
+from diloco_jax.parallel import placement
 from diloco_jax.parallel.placement import PER_ISLAND, REPLICATED
+from diloco_jax.parallel import stages as stages_lib
 from diloco_jax.parallel.stages import per_stage
+
+
+def rounding_key(rounding_seed: int | None, round_index, island=None):
+  """The codec's stochastic rounding key of a round (or a fragment's
+  send), and of one island where `island` is given; None without a seed
+  (round to nearest). Every runtime draws its noise from this one key, so
+  a resumed run, an elastic island and the SPMD step draw the same."""
+  if rounding_seed is None:
+    return None
+  key = jax.random.fold_in(jax.random.key(rounding_seed), round_index)
+  return key if island is None else jax.random.fold_in(key, island)
 
 
 def make_island_sync(mesh, compression=None,
@@ -59,11 +70,8 @@ def make_island_sync(mesh, compression=None,
 
   def island_sync(reference, island_params, residuals, codec_state,
                   weight, round_index):
-    key = None
-    if rounding_seed is not None:
-      key = jax.random.fold_in(
-          jax.random.fold_in(jax.random.key(rounding_seed), round_index),
-          communication.island_index())
+    key = rounding_key(rounding_seed, round_index,
+                       communication.island_index())
     return sync_island(reference, island_params, residuals, codec_state,
                        weight, compression, key, stripes=stripes,
                        stage_axis=stages > 1)

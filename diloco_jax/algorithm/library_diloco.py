@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax.algorithm import compression as compression_lib
-from diloco_jax.algorithm import optimizers
+from diloco_jax.algorithm.island_mean import IslandMean, island_mean  # pylint: disable=unused-import
 from diloco_jax.algorithm import library_checks
+from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_overlaps
-from diloco_jax.algorithm.island_mean import IslandMean, island_mean  # pylint: disable=unused-import
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.codecs import lowrank

@@ -11,7 +11,7 @@
 (outer_overlaps.py: the overlaps and their measured outer optimizers); its
 state (outer_state.py) holds what changes from round to round and
 remembers which object made it, so nothing is given twice. Every runtime
-runs it: outer_step.py, run/host_outer.py, the elastic coordinator.
+runs it: outer_step.py, compiled/host_outer.py, the elastic coordinator.
 
 Every call works in two forms: stacked (islands' trees [k, ...],
 `init(x, k)`, axis_name=None) and per island (inside shard_map, one

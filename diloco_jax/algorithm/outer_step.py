@@ -4,19 +4,19 @@ the island mesh (island_sync.py), then the run's outer object
 set up for the next round with fresh inner states where they need them.
 `make_flush` is the object's `finish`. With config.diloco.outer_placement=
 'host' the run layer runs the object's parts on devices of their own
-(run/host_outer.py).
+(compiled/host_outer.py).
 """
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_settings
 from diloco_jax.algorithm import outer_state
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm.state import TrainState
 from diloco_jax.parallel.mesh import STAGE
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from diloco_jax.codecs import lowrank
 from diloco_jax.parallel import communication
-from diloco_jax.parallel import placement
 from diloco_jax.parallel.mesh import DATA
+from diloco_jax.parallel import placement
 
 
 def island_mean(tree, weight, compression, codec_state, key, axes,

@@ -33,9 +33,9 @@ from diloco_jax.algorithm import outer_state
 # The islands' tree helpers, used with the state everywhere.
 from diloco_jax.algorithm.island_trees import (  # pylint: disable=unused-import
     init_codec_state, islands_average, stack_islands, zeros_per_island)
+from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
 from diloco_jax.parallel import placement
 from diloco_jax.parallel import stages as stages_lib
-from diloco_jax.parallel.mesh import DATA, ISLAND, STAGE
 
 BATCH_SPEC = P(ISLAND, DATA)  # batches are [islands, per-island batch, L+1]
 

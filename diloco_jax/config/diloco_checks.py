@@ -6,8 +6,8 @@ from diloco_jax.algorithm import compression
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import participation
 from diloco_jax.codecs import dense as dense_codecs
-from diloco_jax.config import run_config
 from diloco_jax.config.problems import Problems
+from diloco_jax.config import run_config
 from diloco_jax.parallel import outer_devices
 
 

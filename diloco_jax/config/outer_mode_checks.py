@@ -3,8 +3,8 @@ feedback under outer momentum, the inner optimizer and its state across
 rounds; each records its problems (validation.py collects them)."""
 
 from diloco_jax.algorithm import compression
-from diloco_jax.config import run_config
 from diloco_jax.config.problems import Problems
+from diloco_jax.config import run_config
 
 # Codecs whose error feedback under outer momentum diverged on the studies'
 # config (docs/results.md: top-k 1% +189% perplexity, rank 4 +239%): a

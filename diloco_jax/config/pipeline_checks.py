@@ -2,8 +2,8 @@
 config.pipeline): what the stages split, what the microbatches divide, and
 what the stages cannot be combined with (validation.py collects them)."""
 
-from diloco_jax.config import run_config
 from diloco_jax.config.problems import Problems
+from diloco_jax.config import run_config
 from diloco_jax.parallel import pipeline
 
 

@@ -51,7 +51,7 @@ def diloco() -> Section:
       # Unset: 2 under 'eager', 0 under 'eager_share' (overlap_defaults.py).
       "overlap_warmup_rounds": config_dict.placeholder(int),
       # Where x, the outer optimizer state and the cross-island collective
-      # live (run/host_outer.py): 'device' with the islands; 'host' on one
+      # live (compiled/host_outer.py): 'device' with the islands; 'host' on one
       # other device per process (the host's CPU beside accelerators; a CPU
       # device set aside on CPU-only hosts), so the collective can run
       # beside the compute.

@@ -16,9 +16,9 @@ from diloco_jax.config import diloco_checks
 from diloco_jax.config import outer_mode_checks
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import pipeline_checks
+from diloco_jax.config.problems import ConfigError, Problems
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
-from diloco_jax.config.problems import ConfigError, Problems
 from diloco_jax.data import errors as data_errors
 from diloco_jax.data import settings as data_settings
 from diloco_jax.model import transformer as model_lib

@@ -22,15 +22,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from diloco_jax.algorithm import fragments as fragments_lib
+from diloco_jax.algorithm import island_sync
 from diloco_jax.algorithm import library
 from diloco_jax.algorithm import library_diloco
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.config import state_spec as state_spec_lib
 from diloco_jax.elastic import payloads
 from diloco_jax.elastic import round_steps
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import state_spec as state_spec_lib
 
 
 # What the checkpoints' "outer" item holds: the outer object's state.
@@ -195,11 +196,9 @@ class Coordinator:
             fragments_lib.replace(self.x, assignment, p,
                                   results[i]["params"][p])
             if i in results else self.x for i in range(self._islands)])
-        key = None
-        if self._rounding_seed is not None:
-          key = jax.random.fold_in(
-              jax.random.key(self._rounding_seed), fragments_lib.send_index(
-                  step, self._outer.overlap.num_fragments, p))
+        key = island_sync.rounding_key(
+            self._rounding_seed, fragments_lib.send_index(
+                step, self._outer.overlap.num_fragments, p))
         sent = self._update(self.x, islands, self._state,
                             weights=jnp.asarray(weights), key=key,
                             fragment=p)
@@ -241,10 +240,7 @@ class Coordinator:
                             self._starts_of_round[result["round"]])
         params.append(_rebased(point, then, result["params"]))
     islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
-    key = None
-    if self._rounding_seed is not None:
-      key = jax.random.fold_in(jax.random.key(self._rounding_seed),
-                               round_number)
+    key = island_sync.rounding_key(self._rounding_seed, round_number)
     return self._update(self.x, islands, self._state,
                         weights=jnp.asarray(weights), key=key)
 

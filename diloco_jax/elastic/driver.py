@@ -32,7 +32,7 @@ from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.elastic import speeds
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import workdir as workdir_lib
 
 
 # The key run() adds to the summary it returns (not to summary.json) for
@@ -46,7 +46,7 @@ def run(run_config: run_config_lib.RunConfig, workdir: str,
   workdir/summary.json. `ray_address`: a running Ray cluster's, or None to
   start one on this machine (bound to 127.0.0.1).
 
-  The workdir is locked for the call (run/workdir.py's claim: a second
+  The workdir is locked for the call (storage/workdir.py's claim: a second
   coordinator on it is refused with workdir.WorkdirError before it writes
   anything; the lock goes with the process however it ends). A run that
   finished already (its last round checkpointed, its summary written) is

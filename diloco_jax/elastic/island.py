@@ -37,17 +37,18 @@ import ray
 
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import inner_step as inner_step_lib
+from diloco_jax.algorithm import island_sync
 from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import model_loss
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.config import state_spec as state_spec_lib
 from diloco_jax.data import sources
 from diloco_jax.elastic import payloads
 from diloco_jax.elastic import round_steps
 from diloco_jax.elastic import speeds
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import setup as setup_lib
-from diloco_jax.run import state_spec as state_spec_lib
 
 
 class IslandProgram:
@@ -92,7 +93,7 @@ class IslandProgram:
     self._mesh = mesh_lib.build_mesh(
         1, mesh.data, mesh.stage, jax.devices()[:mesh.data * mesh.stage])
     self._inner_step = inner_step_lib.make_inner_step(
-        setup_lib.loss_function(config, self._mesh), self._spec.inner_opt,
+        model_loss.loss_function(config, self._mesh), self._spec.inner_opt,
         self._mesh, microbatches=config.data.microbatches, fsdp=mesh.fsdp)
     self._build_conversions(config)
     self._batches = sources.make_batch_source(
@@ -312,10 +313,8 @@ class IslandProgram:
 
   def _key(self, round_number: int):
     """This island's stochastic rounding key for the round, or None."""
-    if self._rounding_seed is None:
-      return None
-    return jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(self._rounding_seed), round_number), self.island)
+    return island_sync.rounding_key(self._rounding_seed, round_number,
+                                    self.island)
 
   def _build_conversions(self, config) -> None:
     """The compiled moves between the coordinator's x (logical, host) and

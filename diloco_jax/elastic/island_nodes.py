@@ -23,8 +23,8 @@ import time
 
 import ray
 
-from diloco_jax.elastic import netns
 from diloco_jax.elastic.fleet import island_resource
+from diloco_jax.elastic import netns
 
 # How long the island nodes may take to join the head (each starts a
 # raylet and its agents: seconds on an idle machine).

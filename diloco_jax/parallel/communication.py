@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.codecs import dense as codecs
-from diloco_jax.parallel import placement
 from diloco_jax.parallel.mesh import ISLANDS
+from diloco_jax.parallel import placement
 
 # The island axes: a mesh axis name, or (device axis, folded vmap axis) for
 # islands folded onto devices (mesh.ISLANDS, the default). Island i of a

@@ -275,3 +275,13 @@ def merge_island_states(state: Mapping, islands: range,
       if merged[shard["first"] + offset] is None:
         merged[shard["first"] + offset] = position
   return {**state, "islands": merged}
+
+
+def place(array: np.ndarray, sharding) -> jax.Array:
+  """`array` (the same on every process) as a global array on `sharding`.
+
+  A callback rather than device_put: each process materializes only the
+  slices its own devices hold, so the same line works on many hosts.
+  """
+  return jax.make_array_from_callback(array.shape, sharding,
+                                      lambda index: array[index])

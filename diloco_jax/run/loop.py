@@ -3,11 +3,11 @@ schedule says (synchronizations, evaluation, a checkpoint).
 
 `TrainingLoop.run` is the page to read: a loop over the steps, each one an
 inner step on every island, then the schedule's syncs (syncs.py), its
-record (step_records.py, finished a step late so the host queues the next
+record (step_exchange.py, finished a step late so the host queues the next
 step before it waits on the last one), an evaluation and a checkpoint when
 they are due. A NaN or inf rolls the run back to its last checkpoint or
 stops it, and a signal stops it at the next step with a checkpoint
-(recovery.py).
+(rollback.py).
 """
 
 import dataclasses
@@ -23,21 +23,21 @@ from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import errors as data_errors
-from diloco_jax.data import producer
+from diloco_jax.data import read_ahead
 from diloco_jax.data import sources
 from diloco_jax.parallel import multihost
-from diloco_jax.run import checkpoints as checkpoints_lib
-from diloco_jax.run import overlap_watch
-from diloco_jax.run import placing
-from diloco_jax.run import progress as progress_lib
-from diloco_jax.run import records
-from diloco_jax.run import recovery
-from diloco_jax.run import resume
+from diloco_jax.run import rollback
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import start as start_lib
-from diloco_jax.run import state_records
-from diloco_jax.run import step_records
+from diloco_jax.run import step_exchange
+from diloco_jax.run import stops
 from diloco_jax.run import syncs as syncs_lib
+from diloco_jax.storage import checkpoints as checkpoints_lib
+from diloco_jax.storage import layout_records
+from diloco_jax.storage import resume
+from diloco_jax.telemetry import counters as progress_lib
+from diloco_jax.telemetry import reports
+from diloco_jax.telemetry import rising_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ class BatchFeed:
     stream's next).
 
     Raises:
-      producer.WaitInterrupted: a stop was requested while it waited.
+      read_ahead.WaitInterrupted: a stop was requested while it waited.
       DataError: the source failed.
     """
     if self.failure is not None:
@@ -125,7 +125,7 @@ class BatchFeed:
     """Places the next batch while the device computes."""
     try:
       self._next = self._place_next()
-    except producer.WaitInterrupted:
+    except read_ahead.WaitInterrupted:
       self._next = None  # the loop stops before it needs one
     except data_errors.DataError as error:
       self._next, self.failure = None, error
@@ -146,13 +146,13 @@ class TrainingLoop:
     params)."""
     config, diloco = setup.config, setup.run_config.diloco
     self._setup, self._config = setup, config
-    self._rising_loss = overlap_watch.RisingLossWatch(
+    self._rising_loss = rising_loss.RisingLossWatch(
         diloco.overlap_mode, diloco.outer_optimizer)
     self._checkpointer, self._writer = checkpointer, writer
     self._signals, self._source = signals, source
     self._launch_time = launch_time
     self._syncs = syncs_lib.Syncs(setup)
-    self._records = step_records.StepRecords(writer, signals,
+    self._records = step_exchange.StepRecords(writer, signals,
                                              config.mode == "diloco")
     self._learning_rates = optimizers.learning_rate_table(
         run_config_lib.inner_optimizer(config.inner_optimizer),
@@ -161,9 +161,9 @@ class TrainingLoop:
                                     * config.data.sequence_length)
     # What every checkpoint saves beside the state.
     self._checkpoint_meta = {
-        "param_shapes": state_records.param_shapes_record(
+        "param_shapes": layout_records.param_shapes_record(
             setup.abstract_state.global_params),
-        "state_layout": state_records.state_layout_record(
+        "state_layout": layout_records.state_layout_record(
             setup.abstract_state),
         "config": resume.config_record(config),
     }
@@ -171,7 +171,7 @@ class TrainingLoop:
     self.state, self.progress = start.state, start.progress
     # The newest step this run's checkpoints hold (None: none yet).
     self.saved_step = start.step if start.restored else None
-    self._eval_arrays = [placing.place(b, setup.eval_shape.sharding)
+    self._eval_arrays = [multihost.place(b, setup.eval_shape.sharding)
                          for b in setup.data.eval_set]
     self._batches = BatchFeed(setup, signals)
     self._eval_loss = float("nan")
@@ -204,7 +204,7 @@ class TrainingLoop:
       except guards.NonFiniteError as error:
         self._records.drop_pending()
         step = self._roll_back(error, step)
-      except producer.WaitInterrupted:  # waiting for this step's batch
+      except read_ahead.WaitInterrupted:  # waiting for this step's batch
         self._stop(step - 1)
     self._records.finish_pending()
     if math.isnan(self._eval_loss):  # resumed from the final checkpoint
@@ -301,14 +301,14 @@ class TrainingLoop:
     """The step's record (its training metrics are added when fetched),
     with the evaluation when it is due."""
     config = self._config
-    record = records.step_record(self._setup.run_config, step, self.progress,
+    record = reports.step_record(self._setup.run_config, step, self.progress,
                                  float(self._learning_rates[step - 1]))
     self._writer.set_data_wait(self._batches.waited_s)
     if evaluating:
       self._eval_loss = self._mean_eval_loss(
           settled=step == config.total_steps)
       self._rising_loss.observe(step, self._eval_loss)
-      record.update(records.eval_record(self._eval_loss,
+      record.update(reports.eval_record(self._eval_loss,
                                         config.data.tokenizer == "byte"))
       if self._programs.evaluate_island_mean is not None:
         record["eval_loss_island_mean"] = self._island_mean_loss
@@ -344,7 +344,7 @@ class TrainingLoop:
   def _stop(self, step: int) -> None:
     """Saves `step` if it can and raises StopRequested."""
     diverged = self._save_before_stopping(step)
-    raise recovery.stop(step, self._signals, self.saved_step, diverged)
+    raise stops.stop_error(step, self._signals, self.saved_step, diverged)
 
   def _stop_on_data_error(self, step: int, error: Exception) -> None:
     """Saves `step` if it can and raises the source's DataError, saying
@@ -366,9 +366,9 @@ class TrainingLoop:
     return diverged
 
   def _roll_back(self, error: guards.NonFiniteError, step: int) -> int:
-    """Goes on from the last good state (recovery.rollback_start); returns
+    """Goes on from the last good state (rollback.rollback_start); returns
     its step."""
-    start = recovery.rollback_start(error, step, self._setup,
+    start = rollback.rollback_start(error, step, self._setup,
                                     self._checkpointer, self._source,
                                     self.progress)
     self._writer.truncate(start.step)

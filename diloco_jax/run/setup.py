@@ -16,18 +16,18 @@ import numpy as np
 from absl import logging
 
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import host_outer as host_outer_lib
+from diloco_jax.compiled import model_loss
+from diloco_jax.compiled import programs as programs_lib
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.config import state_spec as state_spec_lib
 from diloco_jax.config import validation
 from diloco_jax.data import sources
-from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import mesh as mesh_lib
 from diloco_jax.parallel import multihost
 from diloco_jax.parallel import outer_devices as outer_devices_lib
 from diloco_jax.parallel import pipeline
 from diloco_jax.parallel import placement
-from diloco_jax.run import host_outer as host_outer_lib
-from diloco_jax.run import programs as programs_lib
-from diloco_jax.run import state_spec as state_spec_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,28 +194,10 @@ def build(run_config: run_config_lib.RunConfig, devices,
       steps_state=placement.with_shardings(
           steps_state, state_lib.state_shardings(steps_state, mesh,
                                                  config.mesh.fsdp)),
-      loss_fn=loss_function(config, mesh),
+      loss_fn=model_loss.loss_function(config, mesh),
       host_outer=(None if outer_devices is None else _host_outer(
           run_config, spec, mesh, outer_devices)))
 
-
-def loss_function(config, mesh):
-  """The model's mean next-token loss, loss(params, sequences [B, L + 1]):
-  with config.mesh.stage > 1, of staged params, pipelined over the stages
-  as config.pipeline says."""
-  model = config.model
-  layout = run_config_lib.stage_layout(config)
-  if layout is None:
-    return functools.partial(model_lib.next_token_loss,
-                             model_lib.graphdef(model))
-  ends = model_lib.graphdef(model_lib.without_layers(model))
-  block = model_lib.block_graphdef(model)
-  return pipeline.make_loss(
-      layout, functools.partial(model_lib.embed_tokens, ends),
-      functools.partial(model_lib.apply_block, block),
-      functools.partial(model_lib.token_losses, ends),
-      model_lib.param_shapes(model),
-      run_config_lib.pipeline_microbatches(config), mesh, remat=model.remat)
 
 
 def _read_data(run_config: run_config_lib.RunConfig, batch_shape) -> Data:

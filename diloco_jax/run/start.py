@@ -7,10 +7,10 @@ import jax
 
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import progress as progress_lib
-from diloco_jax.run import resume
 from diloco_jax.run import setup as setup_lib
-from diloco_jax.run import warm_start
+from diloco_jax.storage import resume
+from diloco_jax.storage import warm_start
+from diloco_jax.telemetry import counters as progress_lib
 
 
 @dataclasses.dataclass

@@ -70,3 +70,16 @@ class StopSignals:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler or signal.SIG_DFL)
     self._previous = {}
+
+
+def stop_error(step: int, signals, saved_step: int | None,
+               diverged: set) -> StopRequested:
+  """The error that ends a run asked to stop after `step`, the newest
+  saved step being `saved_step` and `diverged` this round's diverged
+  islands (a checkpoint never holds a diverged island's NaN: mid-round,
+  the outer step that restarts it has not run yet)."""
+  return StopRequested(
+      signals.signal_name, step, saved=saved_step == step,
+      unsaved_reason=(f"island(s) {sorted(diverged)} had diverged in this "
+                      "round" if diverged else ""),
+      last_saved=saved_step)

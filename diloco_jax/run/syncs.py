@@ -13,9 +13,8 @@ from diloco_jax.algorithm import compression as compression_lib
 from diloco_jax.algorithm import schedule as schedule_lib
 from diloco_jax.analysis import link_bytes
 from diloco_jax.parallel import multihost
-from diloco_jax.run import placing
-from diloco_jax.run import progress as progress_lib
 from diloco_jax.run import setup as setup_lib
+from diloco_jax.telemetry import counters
 
 
 def run_actions(actions, state, programs, weights, host_outer=None):
@@ -71,7 +70,7 @@ class Syncs:
     return self.link_bytes.sync(rank_indices(state))
 
   def after(self, step: int, state, programs, synced: np.ndarray,
-            progress: progress_lib.Progress):
+            progress: counters.Progress):
     """Runs the schedule's syncs after `step` among the `synced` islands
     and counts their bytes in `progress`.
 
@@ -87,7 +86,7 @@ class Syncs:
     # same for every island) times their share of the corpus; those not
     # synced this round get weight 0. Islands that diverged are left out
     # too (the programs mask them on the device; this counts them).
-    weights = placing.place(
+    weights = multihost.place(
         (progress.island_round_steps * self._tokens_per_island_step
          * setup.data.island_shares * synced).astype(np.float32),
         setup.weights_shape.sharding)

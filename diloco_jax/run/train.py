@@ -4,7 +4,7 @@ The run reads as its steps: validate the config once (config/validation.py)
 and claim the workdir; pretrain if asked (the DiLoCo paper's protocol);
 build the mesh, data and state layout (setup.py); restore the newest
 checkpoint or start fresh (start.py) while the programs compile from shapes
-(programs.py); run the loop (loop.py); write the summary.
+(compiled/programs.py); run the loop (loop.py); write the summary.
 
 Modes share one loop: every mode takes inner steps on all islands at once;
 `diloco` synchronizes as its schedule says (an outer step at the end of
@@ -15,8 +15,8 @@ inside every inner step; `single` is one island on its own.
 Runs are resumable and never lose work or report what did not happen:
 rerunning the same command in the same workdir continues from the newest
 readable checkpoint, replaying exactly what an uninterrupted run would do;
-one run holds a workdir at a time (workdir.py); a NaN or inf stops the run
-or rolls it back and is never saved; SIGTERM and Ctrl-C save before exiting
+one run holds a workdir at a time (storage/workdir.py); a NaN or inf
+stops the run or rolls it back and is never saved; SIGTERM and Ctrl-C save before exiting
 (stops.py); any error waits for the checkpoint in flight; resuming under a
 config that changes the run's meaning is refused (config/changes.py).
 """
@@ -31,24 +31,24 @@ from absl import logging
 
 from diloco_jax.analysis import flops
 from diloco_jax.analysis import workloads
+from diloco_jax.compiled import background
 from diloco_jax.config import changes as config_changes
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import validation
 from diloco_jax.data import sources
 from diloco_jax.model import transformer as model_lib
 from diloco_jax.parallel import outer_devices as outer_devices_lib
-from diloco_jax.run import background
-from diloco_jax.run import checkpoints as checkpoints_lib
-from diloco_jax.run import files
 from diloco_jax.run import loop as loop_lib
-from diloco_jax.run import metrics as metrics_lib
-from diloco_jax.run import records
-from diloco_jax.run import resume
 from diloco_jax.run import setup as setup_lib
 from diloco_jax.run import start as start_lib
 from diloco_jax.run import stops
-from diloco_jax.run import warm_start
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import checkpoints as checkpoints_lib
+from diloco_jax.storage import files
+from diloco_jax.storage import resume
+from diloco_jax.storage import warm_start
+from diloco_jax.storage import workdir as workdir_lib
+from diloco_jax.telemetry import metrics_files as metrics_lib
+from diloco_jax.telemetry import reports
 
 
 def train_and_evaluate(config, workdir: str, devices=None,
@@ -355,10 +355,10 @@ def _summary(setup: setup_lib.RunSetup, start: start_lib.Start,
              finished.progress.tokens_seen - finished.start_tokens,
              finished.train_s)
   else:
-    timed = records.timed_steps(metrics_lib.read_metrics(workdir))
+    timed = reports.timed_steps(metrics_lib.read_metrics(workdir))
   flops_per_token = flops.training_flops_per_token(
       config.model, config.data.sequence_length)
-  summary = records.summary(
+  summary = reports.summary(
       setup.run_config, finished.progress, num_params=setup.num_params,
       start_step=start.step, timed=timed,
       timings={"compile_s": compile_s, "startup_s": finished.startup_s,

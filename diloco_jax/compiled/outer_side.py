@@ -1,4 +1,4 @@
-"""What every outer side (run/host_outer.py) shares: the fields it holds
+"""What every outer side (compiled/host_outer.py) shares: the fields it holds
 and a base class that moves them to the outer devices and back."""
 
 import jax
@@ -6,10 +6,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import background
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.parallel import placement
 from diloco_jax.parallel.outer_devices import move
-from diloco_jax.run import background
+from diloco_jax.parallel import placement
 
 # The outer state's fields only the outer side holds with 'host' (and
 # under every overlap but eager updates, whose outer optimizer states are

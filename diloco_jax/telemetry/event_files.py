@@ -19,7 +19,7 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from diloco_jax.run import files
+from diloco_jax.storage import files
 
 
 def _record(event: event_pb2.Event) -> bytes:

@@ -8,7 +8,7 @@ holds what the whole run trained, sent, measured and changed.
 import math
 
 from diloco_jax.analysis import flops
-from diloco_jax.run import progress as progress_lib
+from diloco_jax.telemetry import counters
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
@@ -25,7 +25,7 @@ def eval_record(loss: float, byte_level: bool) -> dict:
   return record
 
 
-def step_record(run_config, step: int, progress: progress_lib.Progress,
+def step_record(run_config, step: int, progress: counters.Progress,
                 learning_rate: float) -> dict:
   """A step's record, before its training metrics and eval are added."""
   config = run_config.config
@@ -80,7 +80,7 @@ def timed_steps(metrics: list[dict]) -> tuple[int, int, float]:
   return steps, tokens, seconds
 
 
-def summary(run_config, progress: progress_lib.Progress, *, num_params: int,
+def summary(run_config, progress: counters.Progress, *, num_params: int,
             start_step: int, timed: tuple[int, int, float], timings: dict,
             flops_per_token: float, mesh, eval_loss: float,
             island_mean_loss: float | None,

@@ -1,8 +1,8 @@
 """What a config's TrainState is made of, and how to build it.
 
 The training loop builds the state it runs; starting from another run's
-checkpoint (warm_start.py) rebuilds that run's state from its saved config
-to read it back. Both go through `StateSpec`, so the two can never disagree
+checkpoint (storage/warm_start.py) rebuilds that run's state from its
+saved config to read it back. Both go through `StateSpec`, so the two can never disagree
 on the optimizers, codec or island count a config implies.
 """
 
@@ -21,8 +21,8 @@ from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import overlap_defaults
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.parallel import stages as stages_lib
 from diloco_jax.parallel.mesh import STAGE
+from diloco_jax.parallel import stages as stages_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Streaming DiLoCo's sends on devices of their own
-(config.diloco.outer_placement='host', run/host_outer.py): one fragment at
+(config.diloco.outer_placement='host', compiled/host_outer.py): one fragment at
 a time, only that fragment's island leaves cross, its collective and outer
 step run on the outer devices while the islands train, and its merge
 `fragment_delay` steps later takes the fragment's new x back."""
@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.parallel import placement
+from diloco_jax.compiled.outer_side import OuterSide, outer_part
 from diloco_jax.parallel.outer_devices import move
-from diloco_jax.run.outer_side import OuterSide, outer_part
+from diloco_jax.parallel import placement
 
 
 class FragmentOuter(OuterSide):

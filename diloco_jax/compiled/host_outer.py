@@ -31,7 +31,7 @@ merge `fragment_delay` steps later takes the fragment's new x back.
 
 `build` gives the loop an object with the same `outer_step(state,
 weights)` and `flush(state)` (RoundOuter), or per-fragment `sends`
-(fragment_outer.FragmentOuter), as the compiled on-device programs; the islands' side of
+(host_fragments.FragmentOuter), as the compiled on-device programs; the islands' side of
 the state then carries no outer fields (`strip`), and `assemble` puts them
 back for a checkpoint, which stays the same pytree whichever the placement.
 """
@@ -44,19 +44,19 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from diloco_jax.algorithm import guards
+from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm import island_sync as island_sync_lib
 from diloco_jax.algorithm import outer as outer_lib
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_step as outer_step_lib
-from diloco_jax.algorithm.island_mean import IslandMean
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import host_fragments
+from diloco_jax.compiled import stage_sends
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.parallel import placement
 from diloco_jax.parallel.outer_devices import move
-from diloco_jax.run import fragment_outer
-from diloco_jax.run import stage_fragments
+from diloco_jax.parallel import placement
 # The base every outer side extends, and the islands' side of a state.
-from diloco_jax.run.outer_side import OuterSide, outer_part, strip  # pylint: disable=unused-import
+from diloco_jax.compiled.outer_side import OuterSide, outer_part, strip  # pylint: disable=unused-import
 
 class RoundOuter(OuterSide):
   """DiLoCo's outer step on the outer devices: at a round's end the
@@ -300,14 +300,14 @@ def build(outer_devices, islands: int, compute_mesh,
   stripes = compute_mesh.shape[mesh_lib.DATA] if fsdp else 1
   streaming = isinstance(algorithm.overlap, outer_overlaps.Streaming)
   if streaming and mesh.shape[mesh_lib.STAGE] > 1:  # fragment s: stage s
-    return stage_fragments.StageFragmentOuter(
+    return stage_sends.StageFragmentOuter(
         mesh, islands, compute_mesh, outer=algorithm,
         rounding_seed=rounding_seed, stripes=stripes, fsdp=fsdp)
   sync = island_sync_lib.make_island_sync(
       mesh, algorithm.codec, rounding_seed, stripes=stripes,
       reference_per_island=algorithm.keeps_island_points)
   if streaming:
-    return fragment_outer.FragmentOuter(
+    return host_fragments.FragmentOuter(
         mesh, islands, compute_mesh, outer=algorithm, sync=sync, fsdp=fsdp)
   return RoundOuter(mesh, islands, compute_mesh, algorithm=algorithm,
                     sync=sync, inner_opt=inner_opt,

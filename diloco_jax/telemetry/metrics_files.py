@@ -20,8 +20,8 @@ import time
 import jax
 from absl import logging
 
-from diloco_jax.run import files
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import files
+from diloco_jax.storage import workdir as workdir_lib
 
 
 def _is_writer() -> bool:
@@ -176,7 +176,7 @@ def _tensorboard_writer(workdir: str, start_step: int,
   # Imported here so that reading metrics (tests, notebooks) does not need
   # TensorBoard's protobuf stack.
   # pylint: disable-next=g-import-not-at-top
-  from diloco_jax.run import event_files
+  from diloco_jax.telemetry import event_files
   return event_files.EventFile(os.path.join(workdir, "tensorboard"),
                                purge_step=start_step + 1, sentinel=sentinel)
 

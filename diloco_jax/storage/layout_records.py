@@ -6,7 +6,7 @@ another config wrote with it."""
 import jax
 import numpy as np
 
-from diloco_jax.run import legacy_state
+from diloco_jax.storage import legacy_state
 
 
 def param_shapes_record(params) -> dict:

@@ -18,15 +18,15 @@ from diloco_jax.algorithm import evaluation as evaluation_lib
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import inner_step as inner_step_lib
-from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import outer_overlaps
+from diloco_jax.algorithm import outer_step as outer_step_lib
 from diloco_jax.algorithm import state as state_lib
+from diloco_jax.compiled import background
+from diloco_jax.compiled import stage_sends
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.config import state_spec as state_spec_lib
 from diloco_jax.parallel import mesh as mesh_lib
-from diloco_jax.run import background
-from diloco_jax.run import integrity
-from diloco_jax.run import stage_fragments
-from diloco_jax.run import state_spec as state_spec_lib
+from diloco_jax.storage import integrity
 
 
 class Programs(NamedTuple):
@@ -130,11 +130,11 @@ def _fragment_programs(run_config: run_config_lib.RunConfig, mesh,
   num_fragments = settings.fragments
   on_device = not run_config.host_outer
   if mesh.shape[mesh_lib.STAGE] > 1:  # fragment s is stage s
-    programs = {"merges": stage_fragments.compile_merges(
+    programs = {"merges": stage_sends.compile_merges(
         mesh, state, alpha=settings.fragment_alpha,
         inner_opt=spec.inner_opt)}
     if on_device:
-      programs["sends"] = stage_fragments.compile_sends(
+      programs["sends"] = stage_sends.compile_sends(
           mesh, state, weights, outer=spec.outer,
           rounding_seed=settings.rounding_seed,
           stripes=mesh.shape[mesh_lib.DATA] if fsdp else 1)

@@ -18,8 +18,8 @@ from diloco_jax.config import changes as config_changes
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.config import schema as config_schema
 from diloco_jax.parallel import placement
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import state_records
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.storage import layout_records
 
 
 class ConfigChangedError(checkpointing.IncompatibleCheckpointError):
@@ -94,7 +94,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
       meaning differs, when compare_config (checked before any array is
       read).
   """
-  current_shapes = state_records.param_shapes_record(
+  current_shapes = layout_records.param_shapes_record(
       abstract_state.global_params)
   target_shardings = state_lib.state_shardings(abstract_state, mesh,
                                                config.mesh.fsdp, staged=False)
@@ -105,7 +105,7 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
     if compare_config:
       refuse_config_changes(path, meta, config,
                             streaming=bool(spec.fragments))
-    mismatch = state_records.shape_mismatch(meta["param_shapes"],
+    mismatch = layout_records.shape_mismatch(meta["param_shapes"],
                                             current_shapes)
     if mismatch:
       raise checkpointing.IncompatibleCheckpointError(
@@ -114,8 +114,8 @@ def restore_latest(checkpointer, config, abstract_state, mesh, spec,
     # The codec state as the checkpoint's stages shaped it.
     saved_codec = _saved_codec_state(meta, abstract_state, spec)
     expected = _with_codec_state(abstract_state, saved_codec)
-    mismatch = state_records.layout_mismatch(
-        meta["state_layout"], state_records.state_layout_record(expected))
+    mismatch = layout_records.layout_mismatch(
+        meta["state_layout"], layout_records.state_layout_record(expected))
     if mismatch:
       raise checkpointing.IncompatibleCheckpointError(
           f"{where} has another state layout: {mismatch} (config.diloco."

@@ -1,17 +1,15 @@
-"""What the loop does when a run diverges or is asked to stop.
+"""What the loop does when a run diverges.
 
 A NaN or inf (algorithm/guards.py) stops the run with an error naming the
 step and island, or under config.nonfinite='rollback' restores the last
-good checkpoint and goes on, skipping the batches taken since. A SIGTERM or
-Ctrl-C (stops.py) saves the step just taken, unless an island of this
-round has diverged, and stops.
+good checkpoint and goes on, skipping the batches taken since. (A run
+asked to stop: stops.py.)
 """
 
 from absl import logging
 
 from diloco_jax.algorithm import guards
 from diloco_jax.run import start as start_lib
-from diloco_jax.run import stops
 
 
 def rollback_start(error: guards.NonFiniteError, step: int, setup,
@@ -46,16 +44,3 @@ def rollback_start(error: guards.NonFiniteError, step: int, setup,
                   start.step, step - start.step,
                   len(start.progress.rollbacks), config.max_rollbacks)
   return start
-
-
-def stop(step: int, signals, saved_step: int | None,
-         diverged: set) -> stops.StopRequested:
-  """The error that ends a run asked to stop after `step`, the newest
-  saved step being `saved_step` and `diverged` this round's diverged
-  islands (a checkpoint never holds a diverged island's NaN: mid-round,
-  the outer step that restarts it has not run yet)."""
-  return stops.StopRequested(
-      signals.signal_name, step, saved=saved_step == step,
-      unsaved_reason=(f"island(s) {sorted(diverged)} had diverged in this "
-                      "round" if diverged else ""),
-      last_saved=saved_step)

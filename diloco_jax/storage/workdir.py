@@ -32,7 +32,7 @@ import shutil
 import stat
 import time
 
-from diloco_jax.run import files
+from diloco_jax.storage import files
 
 LOCK_FILE = "run.lock"
 RUN_FILES = ("metrics.jsonl", "summary.json")

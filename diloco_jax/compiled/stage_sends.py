@@ -24,7 +24,7 @@ from diloco_jax.parallel.outer_devices import move
 from diloco_jax.parallel.stage_parts import (put_stage_part, stage_mesh,
                                              stage_part, stage_sharding,
                                              take_stage_part, with_stage_part)
-from diloco_jax.run.outer_side import OuterSide
+from diloco_jax.compiled.outer_side import OuterSide
 
 
 _OUTER_PARTS = ("global_params", "outer_opt_state", "residuals",

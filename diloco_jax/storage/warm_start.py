@@ -29,11 +29,11 @@ from diloco_jax.algorithm import optimizers
 from diloco_jax.algorithm import state as state_lib
 from diloco_jax.config import run_config
 from diloco_jax.config import schema as config_schema
+from diloco_jax.config import state_spec
 from diloco_jax.config import validation
 from diloco_jax.model import transformer as model_lib
-from diloco_jax.run import checkpoints as checkpointing
-from diloco_jax.run import state_records
-from diloco_jax.run import state_spec
+from diloco_jax.storage import checkpoints as checkpointing
+from diloco_jax.storage import layout_records
 
 PRETRAIN_DIR = "pretrain"  # under the workdir
 
@@ -197,8 +197,8 @@ def _check_record(step: int, meta: dict, where: str, config) -> None:
   if "config" not in meta:
     raise checkpointing.IncompatibleCheckpointError(
         f"{where} records no config (written by an older version)")
-  mismatch = state_records.shape_mismatch(
-      meta["param_shapes"], state_records.param_shapes_record(
+  mismatch = layout_records.shape_mismatch(
+      meta["param_shapes"], layout_records.param_shapes_record(
           model_lib.param_shapes(config.model)))
   if mismatch:
     raise checkpointing.IncompatibleCheckpointError(
@@ -250,8 +250,8 @@ def _build(checkpointer, step, meta, where, source, spec, model_config, mesh,
   source_config = config_schema.from_record(meta["config"])
   source_spec = state_spec.for_config(source_config, islands=meta["islands"])
   source_abstract = source_spec.abstract(source_config.model)
-  mismatch = state_records.layout_mismatch(
-      meta["state_layout"], state_records.state_layout_record(source_abstract))
+  mismatch = layout_records.layout_mismatch(
+      meta["state_layout"], layout_records.state_layout_record(source_abstract))
   if mismatch:
     raise checkpointing.IncompatibleCheckpointError(
         f"{where} cannot be read back from its own config: {mismatch}")

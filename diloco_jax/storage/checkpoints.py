@@ -42,10 +42,10 @@ from jax.experimental import multihost_utils
 
 from diloco_jax.algorithm import guards
 from diloco_jax.algorithm import state as state_lib
-from diloco_jax.run import files
-from diloco_jax.run import integrity
-from diloco_jax.run import legacy_state
-from diloco_jax.run import workdir as workdir_lib
+from diloco_jax.storage import files
+from diloco_jax.storage import integrity
+from diloco_jax.storage import legacy_state
+from diloco_jax.storage import workdir as workdir_lib
 
 STATE = "state"
 META = "meta"
