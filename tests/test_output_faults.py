@@ -144,6 +144,20 @@ def test_a_normal_resume_warns_of_nothing(finished, tmp_path, caplog):
   assert not _warnings(caplog)
 
 
+def test_starting_from_another_run_warns_of_nothing(finished, tmp_path,
+                                                    caplog):
+  """init_from (and the pretraining-to-DiLoCo switch, which reads its
+  pretraining run's checkpoints the same way): the source's checkpoints
+  opened read-only, without orbax's warnings about them."""
+  config = _config()
+  config.init_from = finished
+  config.total_steps = 12  # 4 steps after the source's 8
+  with caplog.at_level(logging.WARNING):
+    summary = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["initialized_from"]
+  assert not _warnings(caplog)
+
+
 # 2. The workdir or its checkpoints removed while a save is in flight: one
 # line naming the path, whichever write meets the removal first.
 

@@ -70,19 +70,20 @@ class Checkpointer:
     # {step: why} of the checkpoints set aside when none read back and the
     # caller chose to start over (latest_readable).
     self.started_over_from = None
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max_to_keep,
-            save_interval_steps=0 if read_only else 1,
-            enable_async_checkpointing=async_save,
-            # A process killed mid-save leaves a temporary directory behind;
-            # the next start removes it (the finalized steps are untouched).
-            cleanup_tmp_directories=not read_only,
-            create=not read_only,
-            read_only=read_only),
-        item_names=(STATE, META),
-    )
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=None if read_only else max_to_keep,
+        save_interval_steps=0 if read_only else 1,
+        enable_async_checkpointing=async_save,
+        # A process killed mid-save leaves a temporary directory behind;
+        # the next start removes it (the finalized steps are untouched).
+        cleanup_tmp_directories=not read_only,
+        create=not read_only,
+        read_only=read_only)
+    # orbax warns on opening a directory read-only, as a warm start opens
+    # its source's on purpose: intact checkpoints read log no warning.
+    with _dropped_log_line("Given directory is read only"):
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options, item_names=(STATE, META))
     # The workdir's lock, whose absence means the workdir is being removed
     # (None: no run holds this workdir, as in tests and read-only use).
     lock = os.path.join(os.path.dirname(self.directory),
@@ -378,3 +379,21 @@ class UnreadableCheckpointsError(RuntimeError):
           "resume.from_scratch_if_unreadable=true to set them aside and "
           "train from step 0")
     super().__init__(message)
+
+
+@contextlib.contextmanager
+def _dropped_log_line(prefix: str):
+  """While open, absl's log drops the messages that start with `prefix`."""
+
+  class _Drop:
+
+    def filter(self, record) -> bool:
+      return not record.getMessage().startswith(prefix)
+
+  drop = _Drop()
+  logger = logging.get_absl_logger()
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
