@@ -32,7 +32,7 @@ class DiLoCoSettings:
     overlap: the outer object's overlap (outer_overlaps.py; Streaming
       DiLoCo's fragments included).
     overlap_mode: config.diloco.overlap, 'none' outside 'diloco' (for
-      records, logs and overlap_watch's warning).
+      records, logs and telemetry/rising_loss.py's warning).
     codec: config.diloco.codec, 'fp32' outside 'diloco' (for records and
       logs).
     outer_placement: 'device' or 'host'.

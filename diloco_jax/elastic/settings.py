@@ -71,8 +71,8 @@ _NOT_YET = (
 # fragment_alpha set).
 _STREAMING_NOT_YET = (
     ("mesh.stage", 1, "Streaming DiLoCo on pipelined islands sends each "
-     "stage's share of every leaf (stage_fragments.py); elastic islands send "
-     "fragments of whole blocks"),
+     "stage's share of every leaf (algorithm/stage_fragments.py); elastic "
+     "islands send fragments of whole blocks"),
     ("elastic.stale_rounds", 0, "under Streaming DiLoCo a late result "
      "carries another fragment than the round it lands in sends"),
     ("diloco.island_schedule", "", "an elastic island out of the membership "

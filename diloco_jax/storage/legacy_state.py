@@ -101,7 +101,7 @@ def current(legacy: LegacyTrainState,
 
 
 def layout_record(record: list[str]) -> list[str]:
-  """An older checkpoint's state layout record (state_records) named as
+  """An older checkpoint's state layout record (layout_records) named as
   today's state names the same leaves; a record of today's as it is."""
   if any(name.startswith(".outer.") for name in record):
     return record
