@@ -85,12 +85,12 @@ def run_cell(cell, rounds: int, runtime: str, cache_dir: str,
     stderr = (timeout.stderr or b"").decode(errors="replace")
   record = {"cell": ",".join(cell), "seconds": round(
       time.perf_counter() - start, 1), "returncode": returncode}
-  record.update(_outcome(returncode, stderr, workdir, runtime))
+  record.update(_outcome(returncode, stderr, workdir))
   shutil.rmtree(workdir, ignore_errors=True)
   return record
 
 
-def _outcome(returncode, stderr: str, workdir: str, runtime: str) -> dict:
+def _outcome(returncode, stderr: str, workdir: str) -> dict:
   """What a cell's process did, from its exit, its log and its files."""
   errors = [line for line in stderr.splitlines() if line.startswith("error:")]
   compiled = any(mark in stderr for mark in _COMPILED_MARKS)
@@ -98,7 +98,7 @@ def _outcome(returncode, stderr: str, workdir: str, runtime: str) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
     final = summary.get("final_eval_loss")
-    first = _first_eval(workdir, runtime)
+    first = _first_eval(workdir)
     trains = (final is not None and math.isfinite(final)
               and first is not None and final < first)
     return {"outcome": "trains" if trains else "no gain",
@@ -113,9 +113,9 @@ def _outcome(returncode, stderr: str, workdir: str, runtime: str) -> dict:
           "timed_out": returncode is None}
 
 
-def _first_eval(workdir: str, runtime: str) -> float | None:
-  """The eval loss of a run's first evaluation (metrics.jsonl)."""
-  del runtime  # both runtimes write eval_loss in metrics.jsonl's records
+def _first_eval(workdir: str) -> float | None:
+  """The eval loss of a run's first evaluation (metrics.jsonl: both
+  runtimes write eval_loss in its records)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return None
