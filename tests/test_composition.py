@@ -10,7 +10,11 @@ trains: every (overlap, layout) pair once, the 7 codecs spread over them
 """
 
 import itertools
+import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -22,6 +26,7 @@ from diloco_jax.parallel import outer_devices
 from tests import helpers
 from tests import test_checkpoint
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 CODECS = composition.CODECS
 OVERLAPS = composition.OVERLAPS
 LAYOUTS = composition.LAYOUTS
@@ -199,3 +204,22 @@ def test_sparseloco_on_two_stages_chunks_each_stage_s_piece():
                                      atol=PARAMS_ATOL),
         staged["embed"], plain["embed"])
     assert any(jax.tree.leaves(differs)), part  # the chunks differ there
+
+
+@pytest.mark.slow
+def test_the_script_runs_a_cell_and_names_a_refusal(tmp_path):
+  """benchmarks/composition.py end to end on a cell elastic islands refuse
+  (the outer step on devices of its own): its record says 'refused' with
+  the run's one line, and its table counts it."""
+  out = tmp_path / "cells.json"
+  done = subprocess.run(
+      [sys.executable, str(REPO / "benchmarks" / "composition.py"),
+       "--runtime=elastic", "--cell=fp32,none,outer_device",
+       f"--out={out}"], cwd=REPO, capture_output=True, text=True,
+      timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  [record] = json.loads(out.read_text())["cells"]
+  assert record["outcome"] == "refused", record
+  assert record["line"].startswith(
+      "error: config.diloco.outer_placement='host'"), record
+  assert "1 refused of 1 cells" in done.stdout
