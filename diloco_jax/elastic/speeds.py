@@ -5,8 +5,7 @@ With config.elastic.round_budget='time' a round is as long as the fastest
 island needs for H inner steps, and every island takes as many steps as
 fit in that time: H times its speed relative to the fastest's, measured
 (each island's median seconds per step, timed before the first round and
-in every round after), the fraction of a step carried to the next round
-(so over rounds each takes its speed's share), at least one. Steps set from
+in every round after), rounded down, at least one. Steps set from
 measured speed rather than a deadline on the clock: the fastest island
 always takes its H, and a step's overheads (a batch's transfer, the
 round's first step) do not cut an island's work short. The merge weighs
@@ -69,31 +68,18 @@ _MEASUREMENTS = 3
 _SAME_SPEED = 0.05
 
 
-def island_steps(seconds_per_step: dict[int, float], inner_steps: int,
-                 carried: dict[int, float] | None = None
-                 ) -> tuple[dict[int, int], dict[int, float]]:
-  """(island -> the inner steps it takes in a time-budgeted round, island
-  -> the fraction of a step it is owed after it): H for the fastest
-  (`seconds_per_step`: island -> its last measurement) and those within
-  _SAME_SPEED of it; for the others, the steps that fit in the fastest's
-  H, their fraction carried to the next round (`carried`: what the last
-  round left), so over rounds each takes its speed's share; at least one.
+def island_steps(seconds_per_step: dict[int, float],
+                 inner_steps: int) -> dict[int, int]:
+  """island -> the inner steps it takes in a time-budgeted round: H for
+  the fastest (`seconds_per_step`: island -> its last measurement), and
+  for the others as many as fit in the fastest's H steps, at least one.
   An island not measured yet takes H."""
   if not seconds_per_step:
-    return {}, {}
-  carried = carried or {}
+    return {}
   fastest = min(seconds_per_step.values())
-  steps, owed = {}, {}
-  for i, seconds in seconds_per_step.items():
-    share = inner_steps * fastest / seconds
-    if share * (1 + _SAME_SPEED) >= inner_steps:
-      steps[i], owed[i] = inner_steps, 0.0
-      continue
-    due = share + carried.get(i, 0.0)
-    steps[i] = max(1, min(inner_steps, int(due)))
-    # A step forced on a very slow island is not owed back.
-    owed[i] = max(0.0, due - steps[i])
-  return steps, owed
+  return {i: max(1, min(inner_steps, int(
+      inner_steps * fastest / seconds * (1 + _SAME_SPEED))))
+          for i, seconds in seconds_per_step.items()}
 
 
 class RoundSteps:
@@ -108,7 +94,6 @@ class RoundSteps:
     # island's compile or the coordinator's step beside it).
     self.seconds_per_step = {}
     self._history = {}
-    self._owed = {}  # island -> the fraction of a step it is owed
 
   def plan(self, fleet, starts: dict, steps: int) -> dict[int, int] | None:
     """island -> its steps of a round of H = `steps`, or None (all H);
@@ -118,9 +103,7 @@ class RoundSteps:
       return None
     if not self.seconds_per_step:
       self.seconds_per_step.update(fleet.measure_step_seconds(starts))
-    plan, self._owed = island_steps(self.seconds_per_step, steps,
-                                    self._owed)
-    return plan
+    return island_steps(self.seconds_per_step, steps)
 
   def measured(self, results: dict) -> None:
     """Takes the islands' step times of a round's results."""
