@@ -1,8 +1,8 @@
-"""What a newcomer meets at `python -m diloco_jax.main`'s command line
-(issue 56, item 5): a config argument the file does not take is one line
-naming the values it takes; an error or a stop after the run started is
-printed once, not also as a log line; rerunning a finished run says its
-result again.
+"""What a newcomer meets at `python -m diloco_jax.main`'s command line (and
+`python -m diloco_jax.elastic`'s): a config argument the file does not
+take is one line naming the values it takes; an error or a stop after the
+run started is printed once, not also as a log line; rerunning a finished
+run says its result again.
 """
 
 import json

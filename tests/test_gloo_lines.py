@@ -1,8 +1,8 @@
-"""The `[Gloo] Rank ...` lines of a run of several CPU processes (issue 56,
-item 5): the gloo inside jaxlib prints them to stdout with no switch to
-turn them off, so docs/running.md says what they are. If a jaxlib drops
-the line or makes it switchable (newer gloo logs it only under
-GLOO_LOG_LEVEL=INFO), this fails: silence it, and say so in the page.
+"""The `[Gloo] Rank ...` lines of a run of several CPU processes: the gloo
+inside jaxlib prints them to stdout with no switch to turn them off, so
+docs/running.md says what they are. If a jaxlib drops the line or makes it
+switchable (newer gloo logs it only under GLOO_LOG_LEVEL=INFO), this
+fails: silence it, and say so in the page.
 """
 
 import mmap

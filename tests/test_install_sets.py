@@ -1,9 +1,8 @@
-"""What a newcomer installs (issue 56, item 5): requirements.txt is what a
-run needs, pinned with everything it pulls in; requirements-dev.txt adds
-the rest the suite uses; setup.py's ranges and extras are the same split;
-the README's commands and CI install them; a run on the built-in corpora
-imports none of the extras, and a feature that needs one says which in one
-line.
+"""What a newcomer installs: requirements.txt is what a run needs, pinned
+with everything it pulls in; requirements-dev.txt adds the rest the suite
+uses; setup.py's ranges and extras are the same split; the README's
+commands and CI install them; a run on the built-in corpora imports none
+of the extras, and a feature that needs one says which in one line.
 """
 
 import importlib.metadata

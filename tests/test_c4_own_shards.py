@@ -1,8 +1,8 @@
-"""C4 as a newcomer meets it with shards of their own (issue 56, item 5):
-shards none of which is named '*validation*' are refused in one line,
-unless the run is told to hold some out; the tokenizer's file says what it
-holds and a vocabulary its text cannot fill is one line naming the largest
-it can; docs/c4.md's commands for the `quick` size work as written.
+"""C4 as a newcomer meets it with shards of their own: shards none of which
+is named '*validation*' are refused in one line, unless the run is told to
+hold some out; the tokenizer's file says what it holds and a vocabulary
+its text cannot fill is one line naming the largest it can; docs/c4.md's
+commands for the `quick` size work as written.
 """
 
 import gzip
