@@ -9,6 +9,8 @@ import difflib
 import os
 import re
 
+from absl import flags
+
 from diloco_jax.config import schema
 
 
@@ -98,8 +100,6 @@ def parse_flags(argv: list[str], config_flag) -> tuple[list[str], str | None]:
   nearest one), a bad value, a config file that does not load (or does
   not take its ':ARGUMENT'), or an argument that is not a flag.
   `config_flag`: the entry point's DEFINE_config_file holder."""
-  # pylint: disable-next=g-import-not-at-top
-  from absl import flags
   try:
     remaining = flags.FLAGS(argv)
     config_flag.value.keys()  # a config file that failed to load raises here
