@@ -17,7 +17,10 @@ every inner step takes 1/speed as long):
   time     rounds budgeted in time (config.elastic.round_budget='time'):
            each island takes as many steps as fit in the fastest's H,
            weighted by its tokens.
-  time_delay  the same under the one-step delay (its measured outer
+  async    calls budgeted in time as 'time' budgets them, each result
+           applied the moment it arrives (config.elastic.asynchronous):
+           no island waits for a round.
+  time_delay  'time' under the one-step delay (its measured outer
            step, lr 0.8, momentum 0), its rounds pipelined: each island's
            next call is sent while its round runs.
   equal    every island at the fastest's speed, config.total_steps set
@@ -36,7 +39,10 @@ reached x over those the islands could have run in the rounds' time
 run, from metrics.jsonl; the time between rounds, the coordinator's step,
 evals and checkpoints, is left out, and so is the first round, where the
 islands compile their steps); the same with the island-steps run (the
-quorum run's late results are run and dropped); island-steps run and
+quorum run's late results are run and dropped); busy, the share of the
+wall time from round 1's close to the last round's the islands
+spent in their calls' inner steps (each call's own setup included,
+however slow its steps ran: the rest they waited); island-steps run and
 applied; tokens trained (applied); wall s (the command's, Ray's start-up
 and the compiles included); the final eval loss and its difference from
 the 'equal' run's and from the 'wait' run's.
@@ -63,8 +69,8 @@ _SPEEDS = flags.DEFINE_string("speeds", "1,1,0.5,0.25",
 _EXTRA = flags.DEFINE_list("extra_flags", [],
                            "More --config.* flags for every run.")
 _OUT = flags.DEFINE_string("out", None, "Write the rows as JSON here.")
-_RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "time_delay",
-                                   "equal"],
+_RUNS = flags.DEFINE_list("runs", ["wait", "quorum", "time", "async",
+                                   "time_delay", "equal"],
                           "Which runs ('equal' needs 'time').")
 
 
@@ -97,7 +103,23 @@ def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
   # blocked ones wait).
   wall = records[-1]["closed_at"] - records[0]["closed_at"]
   possible_wall = sum(wall / s for s in speed.values())
+  # Busy: the share of the wall time the islands spent in their inner
+  # steps (each call's start to its steps' end, the call's own setup
+  # included), however long the steps took; the rest they waited.
+  trained = 0.0
+  begin, end = records[0]["closed_at"], records[-1]["closed_at"]
+  for r in timed:
+    calls = (r["arrivals"] if r.get("asynchronous") else
+             [{"started_at": r["started_at"][i], "trained_at": t}
+              for i, t in r.get("trained_at", {}).items()])
+    # Each call's time within the timed wall (calls that began in round
+    # 1 cut at its close).
+    trained += sum(max(0.0, min(c["trained_at"], end)
+                       - max(c["started_at"], begin))
+                   for c in calls if c.get("trained_at") is not None)
+  busy_wall = (end - begin) * len(knob)
   return {"run": run["name"],
+          "busy": trained / busy_wall,
           "compute_used": sum(r["island_steps"]["applied"]
                               for r in timed) / possible,
           "compute_used_wall": sum(r["island_steps"]["applied"]
@@ -136,6 +158,10 @@ def main(argv):
       "quorum": [*slowed, f"--config.elastic.min_islands={max(1, islands - 2)}",
                  "--config.elastic.grace_seconds=0"],
       "time": [*slowed, "--config.elastic.round_budget=time"],
+      # Time-budgeted calls, each result applied as it arrives: no round
+      # waits for anyone.
+      "async": [*slowed, "--config.elastic.round_budget=time",
+                "--config.elastic.asynchronous=true"],
       # Time-budgeted and pipelined: the one-step delay at its measured
       # outer step, each island's next call sent while its round runs.
       "time_delay": [*slowed, "--config.elastic.round_budget=time",
@@ -165,7 +191,8 @@ def main(argv):
 def _print(rows) -> None:
   """The table (and --out)."""
   losses = {row["run"]: row["final_eval_loss"] for row in rows}
-  print(f"{'run':10} {'used':>6} {'wall':>6} {'run':>6} {'steps run':>9} "
+  print(f"{'run':10} {'used':>6} {'wall':>6} {'busy':>6} {'run':>6} "
+        f"{'steps run':>9} "
         f"{'applied':>8} {'tokens':>9} {'rounds s':>9} {'wall s':>7} "
         f"{'eval loss':>9} {'vs equal':>8} {'vs wait':>8}")
   for row in rows:
@@ -176,7 +203,8 @@ def _print(rows) -> None:
     shown = {name: "" if v is None else f"{v:+.2%}"
              for name, v in versus.items()}
     print(f"{row['run']:10} {row['compute_used']:6.3f} "
-          f"{row['compute_used_wall']:6.3f} {row['compute_run']:6.3f} "
+          f"{row['compute_used_wall']:6.3f} {row['busy']:6.3f} "
+          f"{row['compute_run']:6.3f} "
           f"{row['island_steps_run']:9d} {row['island_steps_applied']:8d} "
           f"{row['tokens']:9d} {row['round_seconds']:9.1f} "
           f"{row['wall_s']:7.1f} {row['final_eval_loss']:9.4f} "

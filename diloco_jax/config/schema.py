@@ -82,6 +82,12 @@ def base_config() -> ml_collections.ConfigDict:
           "max_restarts": 3,
           "stale_rounds": 0,
           "round_budget": "steps",
+          # True: no island waits for a round. The coordinator applies each
+          # result as it arrives (its pseudo-gradient times its share of a
+          # round's tokens, down-weighted when overtaken) and the island
+          # goes on at once from the x it made; a round is a window of as
+          # many results as members (elastic/arrivals.py).
+          "asynchronous": False,
           # True: island i runs only on a Ray node started with
           # --resources='{"diloco_island_i": 1}' (docs/elastic.md).
           "pin_islands": False,

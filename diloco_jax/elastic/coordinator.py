@@ -11,6 +11,8 @@ island starts its next round from its own point (`start`), not x. Under
 Streaming DiLoCo a round ends at each fragment's send (round_steps.py): the
 object's update of that fragment (`fragment=p`) on what the islands sent
 of it, x's other fragments untouched; each island merges it itself.
+Under the asynchronous mode (arrivals.py) each result is stepped on alone
+as it arrives (`apply_arrival`), and a round is counted per window.
 """
 
 import functools
@@ -163,6 +165,42 @@ class Coordinator:
         if r > round_number - self._stale_rounds}
     return self._closed(results, np.asarray(self._state.included))
 
+  def apply_arrival(self, island: int, result: dict, start,
+                    scale: float, arrival: tuple[int, int]) -> bool:
+    """The asynchronous mode's outer step (arrivals.py) on one island's
+    result the moment it arrives: its pseudo-gradient against `start`
+    (the x its call started from) times `scale`, applied to x now through
+    the outer object (its codec, its optimizer), the other islands left
+    out; the island's data position moves on. `arrival`: (the round,
+    how many of its results came before), its rounding key's. No round
+    is counted (`count_round`). Returns whether the result was applied
+    (a non-finite one is not)."""
+    weights = np.zeros(self._islands, np.float32)
+    weights[island] = 1.0
+    self.round_bytes = library.bytes_sent(self.x, self._islands,
+                                          self._outer.codec,
+                                          self._state.codec_state)
+    if self._island_encoded:
+      step = self._apply(self.x, None, self._state, self._decoded_mean(
+          {island: result["payload"]}, weights, self.x,
+          scales={island: scale}))
+    else:
+      params = [self.x] * self._islands
+      params[island] = _rebased(self.x, start, result["params"], scale)
+      islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
+      step = self._update(
+          self.x, islands, self._state, weights=jnp.asarray(weights),
+          key=island_sync.rounding_key(self._rounding_seed, *arrival))
+    self.x, self._state = jax.device_get((step.params, step.state))
+    applied = bool(np.asarray(self._state.included)[island])
+    if applied:
+      self.data_states[island] = result["data_state"]
+    return applied
+
+  def count_round(self) -> None:
+    """One more round done (the asynchronous mode's window of results)."""
+    self.rounds_done += 1
+
   def _closed(self, results, included) -> np.ndarray:
     """The round counted, each included island's data position moved on;
     returns `included`."""
@@ -252,16 +290,18 @@ class Coordinator:
         {i: result["payload"] for i, result in results.items()}, weights,
         self.x))
 
-  def _decoded_mean(self, sent: dict, weights, like):
+  def _decoded_mean(self, sent: dict, weights, like, scales=None):
     """The islands' payloads (island -> payload) of a tree shaped like
     `like` (x, or a fragment's leaves) as the mean the outer object
-    takes: decoded, their weighted mean in float32 (dense codecs keep no
-    codec state, and the residuals stay on the islands)."""
+    takes: decoded (times `scales`' factor, island -> float, where
+    given), their weighted mean in float32 (dense codecs keep no codec
+    state, and the residuals stay on the islands)."""
     codec = self._outer.codec.dense
     size = sum(leaf.size for leaf in jax.tree.leaves(like))
     decoded = np.zeros((self._islands, size), np.float32)
     for i, payload in sent.items():
-      decoded[i] = payloads.decode(payload, codec, size)
+      decoded[i] = payloads.decode(payload, codec, size) * (
+          1.0 if scales is None else scales[i])
     decoded = jnp.asarray(decoded)
     mean, included, anyone = payloads.weighted_mean(decoded,
                                                     jnp.asarray(weights))
@@ -271,19 +311,27 @@ class Coordinator:
         included=included, finite=jnp.all(jnp.isfinite(decoded), axis=1),
         anyone=anyone)
 
-  def save(self) -> None:
-    """Checkpoints x, the outer state, the data positions, the round and
-    the counters (orbax; a save interrupted by a kill leaves the previous
-    one)."""
+  def snapshot(self) -> dict:
+    """What a checkpoint of now holds (x, the outer state, the data
+    positions, the round, the counters), for `save` to write later while
+    the coordinator goes on (the asynchronous mode: its arrays are
+    replaced, never changed in place, so they stay as they are)."""
     progress = {"rounds_done": self.rounds_done,
-                "data_states": self.data_states,
+                "data_states": list(self.data_states),
                 "outer_format": _OUTER_FORMAT}
     if self.counters is not None:
       progress["counters"] = self.counters
-    self._checkpoints.save(self.rounds_done, args=ocp.args.Composite(
-        x=ocp.args.StandardSave(self.x),
-        outer=ocp.args.StandardSave(self._state),
-        progress=ocp.args.JsonSave(progress)))
+    return {"x": self.x, "outer": self._state, "progress": progress}
+
+  def save(self, snapshot: dict | None = None) -> None:
+    """Checkpoints `snapshot` (default: now; orbax; a save interrupted by
+    a kill leaves the previous one)."""
+    snapshot = snapshot or self.snapshot()
+    self._checkpoints.save(
+        snapshot["progress"]["rounds_done"], args=ocp.args.Composite(
+            x=ocp.args.StandardSave(snapshot["x"]),
+            outer=ocp.args.StandardSave(snapshot["outer"]),
+            progress=ocp.args.JsonSave(snapshot["progress"])))
     self._checkpoints.wait_until_finished()
 
   def restore(self) -> bool:
@@ -328,8 +376,9 @@ def _from_legacy(old: library_diloco.DiLoCoState,
                       round=old.round)
 
 
-def _rebased(point, start_then, y_then):
-  """Params whose pseudo-gradient against `point` is y_then's against
-  `start_then`: a late island's update, moved onto its point now."""
-  return jax.tree.map(lambda a, b, c: a - (b - c), point, start_then,
-                      y_then)
+def _rebased(point, start_then, y_then, scale: float = 1.0):
+  """Params whose pseudo-gradient against `point` is `scale` times
+  y_then's against `start_then`: a late island's update, moved onto its
+  point now."""
+  return jax.tree.map(lambda a, b, c: a - scale * (b - c), point,
+                      start_then, y_then)

@@ -22,13 +22,15 @@ import ray
 from diloco_jax.config import problems as problems_lib
 from diloco_jax.config import run_config as run_config_lib
 from diloco_jax.data import sources
+from diloco_jax.elastic import arrivals
 from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import fleet as fleet_lib
 from diloco_jax.elastic import island_nodes
 from diloco_jax.elastic import membership
-from diloco_jax.elastic import quorum
 from diloco_jax.elastic import ray_watch
+from diloco_jax.elastic import round_records
 from diloco_jax.elastic import round_steps
+from diloco_jax.elastic import rounds as rounds_lib
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.elastic import speeds
 from diloco_jax.model import transformer as model_lib
@@ -204,81 +206,64 @@ def _train(run_config, settings, coordinator, evaluate, workdir,
   round_steps_of = speeds.RoundSteps(settings.round_budget)
   start_time = time.monotonic()
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  _keep_records_up_to(metrics_path, coordinator.rounds_done)
+  round_records.keep_records_up_to(metrics_path, coordinator.rounds_done)
   tally = _restored_tally(coordinator, metrics_path)
   # Where each island ran last, over the run's commands.
   nodes = dict((coordinator.counters or {}).get("island_nodes", {}))
-  # Pipelined rounds (one-step delay): each round's calls are sent while
-  # the round before it runs (fleet.start_ahead); ahead_plan is the
-  # time-budgeted steps they were sent with (False: none sent ahead).
-  pipelined = bool(coordinator.starts_early and settings.overlap_rounds
-                  and not settings.stale_rounds)
-  ahead_plan = False
+  rounds_of = (
+      arrivals.ArrivalRounds(coordinator, fleet, round_steps_of, slots,
+                             rounds) if settings.asynchronous
+      else rounds_lib.QuorumRounds(coordinator, fleet, round_steps_of,
+                                   settings, ends))
+  # Asynchronous islands train on while a window is evaluated and
+  # checkpointed: that work goes to a thread of its own.
+  closer = round_records.Closer(background=settings.asynchronous)
   with open(metrics_path, "a") as metrics:
-    while coordinator.rounds_done < rounds:
-      round_number = coordinator.rounds_done + 1
-      first_step = ends[round_number - 2] if round_number > 1 else 0
-      steps = ends[round_number - 1] - first_step
-      members, problem = members_of.of_round(round_number - 1)
-      if problem:  # once per bad content of the control file
-        logging.warning("%s", problem)
-      joined, left = fleet.set_members(members)
-      starts = _start_refs(coordinator, members)
-      island_steps = (ahead_plan if ahead_plan is not False
-                      else round_steps_of.plan(fleet, starts, steps))
-      calls = fleet.start_round(starts, round_number, coordinator.data_states,
-                                steps, first_step, island_steps)
-      ahead_plan = False
-      if pipelined and round_number < rounds:
-        # The next round's calls now, queued behind this one's: each
-        # island goes on without waiting for the round to close.
-        next_steps = ends[round_number] - ends[round_number - 1]
-        ahead_plan = round_steps_of.plan(fleet, starts, next_steps)
-        fleet.start_ahead(ray.put(coordinator.early_start()),
-                          round_number + 1, next_steps,
-                          ends[round_number - 1], ahead_plan)
-      came_back = quorum.collect(calls, settings.min_islands,
-                                 settings.grace_seconds)
-      included = coordinator.close_round(came_back.results, round_number)
-      fleet.settle(came_back, included, round_number)
-      round_steps_of.measured(came_back.results)
-      # Island-steps this round's calls set out to run, and those whose
-      # work reached x (a late result's counted in the round it lands in).
-      run_steps = sum((island_steps or {}).get(i, steps)
-                      for i in fleet.new_calls(round_number))
-      applied_steps = sum(len(result["losses"]) for i, result in
-                          came_back.results.items() if included[i])
-      tally.add(run_steps, applied_steps, coordinator.round_bytes,
-                sum(r["sent_bytes"] for r in came_back.results.values()))
-      record = _round_record(round_number, first_step + steps, included,
-                             came_back)
-      record.update(members=members, joined=joined, left=left,
-                    pipelined=pipelined,
-                    island_steps={"run": run_steps, "applied": applied_steps},
-                    seconds_per_step={i: round(s, 6) for i, s in
-                                      round_steps_of.seconds_per_step.items()},
-                    # Which process each member is: pid, host, IP, Ray
-                    # node, restarts.
-                    processes=fleet.processes)
-      if links is not None:  # behind shaped links: what crossed them so far
-        record["link_bytes"] = links.link_bytes()
-      if round_number == rounds:
-        # The mean still in flight applied, or eager islands settled,
-        # before the last round's eval (as the SPMD runs do); checkpointed
-        # with the round.
-        coordinator.finish()
-      # Evaluated where the SPMD runs evaluate: the ends of every
-      # eval.every_rounds-th run's round, and the last step.
-      if run_config.schedule.evaluates(first_step + steps):
-        record["eval_loss"] = evaluate(coordinator.model())
-      # The record first, then the checkpoint: a rerun after a kill in
-      # between drops the records of rounds it did not checkpoint.
-      metrics.write(json.dumps(record) + "\n")
-      metrics.flush()
-      nodes.update({str(i): node for i, node in fleet.nodes.items()})
-      coordinator.counters = {"tally": dataclasses.asdict(tally),
-                              "island_nodes": nodes}
-      coordinator.save()
+    try:
+      while coordinator.rounds_done < rounds:
+        round_number = coordinator.rounds_done + 1
+        first_step = ends[round_number - 2] if round_number > 1 else 0
+        steps = ends[round_number - 1] - first_step
+        members, problem = members_of.of_round(round_number - 1)
+        if problem:  # once per bad content of the control file
+          logging.warning("%s", problem)
+        joined, left = fleet.set_members(members)
+        closed = rounds_of.run(round_number, members, first_step, steps)
+        tally.add(closed.run_steps, closed.applied_steps,
+                  coordinator.round_bytes, closed.sent_bytes)
+        record = round_records.round_record(
+            round_number, first_step + steps, closed.included,
+            closed.came_back)
+        record.update(closed.record)
+        record.update(
+            members=members, joined=joined, left=left,
+            pipelined=rounds_of.pipelined,
+            island_steps={"run": closed.run_steps,
+                          "applied": closed.applied_steps},
+            seconds_per_step={i: round(s, 6) for i, s in
+                              round_steps_of.seconds_per_step.items()},
+            # Which process each member is: pid, host, IP, Ray node,
+            # restarts.
+            processes=fleet.processes)
+        if links is not None:  # behind shaped links: what crossed them
+          record["link_bytes"] = links.link_bytes()
+        if round_number == rounds:
+          # The mean still in flight applied, or eager islands settled,
+          # before the last round's eval (as the SPMD runs do);
+          # checkpointed with the round.
+          coordinator.finish()
+        # Evaluated where the SPMD runs evaluate: the ends of every
+        # eval.every_rounds-th run's round, and the last step.
+        model = (coordinator.model()
+                 if run_config.schedule.evaluates(first_step + steps)
+                 else None)
+        nodes.update({str(i): node for i, node in fleet.nodes.items()})
+        coordinator.counters = {"tally": dataclasses.asdict(tally),
+                                "island_nodes": dict(nodes)}
+        closer.submit(round_records.write_and_save, metrics, record, model,
+                      evaluate, coordinator, coordinator.snapshot())
+    finally:
+      closer.wait()
   summary = _summary(run_config, coordinator, evaluate, resumed, tally,
                      nodes, time.monotonic() - start_time)
   if links is not None:  # where the island nodes ran, removed at the end
@@ -311,67 +296,6 @@ def _summary(run_config, coordinator, evaluate, resumed, tally: _Tally,
       # Where each island ran last (Ray node ids).
       "island_nodes": dict(sorted(nodes.items(), key=lambda n: int(n[0]))),
       "wall_seconds": round(seconds, 3)}
-
-
-def _start_refs(coordinator, members: list[int]) -> dict:
-  """island -> the Ray object its round starts from: x put once for all,
-  or each member's own point."""
-  if coordinator.shared_start:
-    x = ray.put(coordinator.x)
-    return {i: x for i in members}
-  return {i: ray.put(coordinator.start(i)) for i in members}
-
-
-def _keep_records_up_to(path: str, rounds_done: int) -> None:
-  """Drops the records of rounds after the last checkpointed one (a rerun
-  trains them again) and a line cut short, replacing the file in one
-  rename."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = [line for line in f if line.strip()]
-  kept = []
-  for line in lines:
-    try:
-      if json.loads(line)["round"] <= rounds_done:
-        kept.append(line)
-    except ValueError:  # the last line, cut short by the kill
-      pass
-  if len(kept) < len(lines):
-    with open(path + ".partial", "w") as f:
-      f.writelines(kept)
-    os.replace(path + ".partial", path)
-
-
-def _round_record(round_number: int, step: int, included: np.ndarray,
-                  came_back: quorum.RoundResults) -> dict:
-  """The round's line of metrics.jsonl, also said in the log."""
-  results = came_back.results.values()
-  record = {
-      "round": round_number, "step": step,
-      "included": included.astype(int).tolist(),
-      "failed": came_back.failed, "late": came_back.late,
-      "round_seconds": round(came_back.seconds, 3),
-      "train_loss": (float(np.mean([r["losses"][-1] for r in results]))
-                     if results else None),
-      # Inner steps each result trained (under round_budget 'time' its
-      # own), and how many rounds old each applied late one was.
-      "steps_taken": {i: len(r["losses"])
-                      for i, r in came_back.results.items()},
-      "stale": {i: round_number - r["round"]
-                for i, r in came_back.results.items()
-                if included[i] and r["round"] < round_number},
-      # When each result's call began, and when the round closed (its
-      # outer step taken; wall clock).
-      "started_at": {i: r.get("started_at")
-                     for i, r in came_back.results.items()},
-      "closed_at": time.time()}
-  logging.info("round %d: islands %s took part%s%s", round_number,
-               record["included"],
-               f"; failed {sorted(came_back.failed)}" if came_back.failed
-               else "",
-               f"; late {came_back.late}" if came_back.late else "")
-  return record
 
 
 def _evaluator(run_config: run_config_lib.RunConfig):

@@ -77,13 +77,41 @@ class Fleet:
     self._ahead = {}
     for i in self._programs:
       if i not in self._in_flight and i not in self.calls.values():
-        ref = _train_call(self._programs[i], self._restarting(i)).remote(
-            starts[i], round_number, data_states[i],
-            steps if island_steps is None else island_steps.get(i, steps),
-            self._applied.get(i, False), first_step,
-            island_steps is not None)
+        ref = self.call(i, starts[i], round_number, data_states[i],
+                        steps if island_steps is None
+                        else island_steps.get(i, steps),
+                        first_step, island_steps is not None)
         self.calls[ref], self._started[ref] = i, round_number
     return self.calls
+
+  def call(self, i: int, start, round_number: int, data_state,
+           steps: int, first_step: int, budgeted: bool):
+    """Island i's call (an ObjectRef) to train `steps` inner steps from
+    `start` on the batches after `data_state`, its schedule at the run's
+    `first_step` where `budgeted` (its steps its own, speeds.py); it waits
+    for Ray's restart of a process that died."""
+    return _train_call(self._programs[i], self._restarting(i)).remote(
+        start, round_number, data_state, steps, self._applied.get(i, False),
+        first_step, budgeted)
+
+  def answered(self, i: int, result: dict, applied: bool) -> None:
+    """Island i's call came back with `result`, which reached x or not
+    (the asynchronous mode: each answer on its own)."""
+    self._rejoining.discard(i)
+    self._applied[i] = applied
+    self.nodes[i] = result["node"]
+
+  def failed(self, i: int) -> None:
+    """Island i's call failed: its process died (its next call waits for
+    the restart)."""
+    self._rejoining.add(i)
+    self._applied[i] = False
+
+  def identify(self, results: dict) -> None:
+    """Which process each member is (`processes`), as of `results`
+    (island -> its last result)."""
+    self.processes = self._identify(quorum.RoundResults(results, {}, [], [],
+                                                        0.0))
 
   def start_ahead(self, start, round_number: int, steps: int,
                   first_step: int,

@@ -171,6 +171,7 @@ class IslandProgram:
             self._schedule, first_step + step + 1))
       speeds.slow_down(self._speed, time.monotonic() - step_started)
       step_seconds.append(time.monotonic() - step_started)
+    trained_at = time.time()
     if round_number in self._kill_after:
       self._kill_when_recorded(round_number)
     return {
@@ -183,7 +184,7 @@ class IslandProgram:
         "step_seconds": speeds.typical_step_seconds(step_seconds),
         # When the call began (wall clock: pipelined rounds begin before
         # the round before them closes).
-        "started_at": started_at,
+        "started_at": started_at, "trained_at": trained_at,
         # Which process this is (its pid, host, IP and Ray node).
         "process": _process(),
         # The Ray node it runs on (None outside Ray: tests call it).

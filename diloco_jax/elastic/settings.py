@@ -29,6 +29,8 @@ class ElasticSettings:
       still be applied (0: a late result is dropped).
     round_budget: 'steps' (H inner steps per island a round) or 'time'
       (the fastest island's H steps' time; speeds.py).
+    asynchronous: each result applied as it arrives, no island waiting
+      for a round (arrivals.py).
     kill_after: (island, 1-based round) pairs: that island's process
       kills itself once right after its result of that round reached the
       coordinator (tests: config.testing.kill_island's 'ISLAND@ROUND:after').
@@ -51,6 +53,7 @@ class ElasticSettings:
   link_mbit: float = 0.0
   link_delay_ms: float = 0.0
   overlap_rounds: bool = True
+  asynchronous: bool = False
 
 
 # (setting, the value elastic islands need, why) for what they do not run
@@ -153,13 +156,48 @@ def check(run_config: run_config_lib.RunConfig) -> ElasticSettings:
     raise problems_lib.ConfigError(
         f"config.elastic.pin_islands={elastic.pin_islands!r} must be True "
         "or False")
+  _check_asynchronous(run_config)
   link_mbit, link_delay_ms = _link(elastic)
   return ElasticSettings(min_islands, float(grace), restarts, kill, slow,
                          float(slow_seconds), stale, elastic.round_budget,
                          speeds, kill_after=kill_after,
                          pin_islands=elastic.pin_islands or link_mbit > 0,
                          link_mbit=link_mbit, link_delay_ms=link_delay_ms,
-                         overlap_rounds=elastic.overlap_rounds)
+                         overlap_rounds=elastic.overlap_rounds,
+                         asynchronous=elastic.asynchronous)
+
+
+def _check_asynchronous(run_config) -> None:
+  """config.elastic.asynchronous, and what it cannot go with: the
+  overlaps (they hide a round's wait, and asynchronous islands never
+  wait) and the quorum's settings (no round closes on a quorum)."""
+  elastic = run_config.config.elastic
+  if not isinstance(elastic.asynchronous, bool):
+    raise problems_lib.ConfigError(
+        f"config.elastic.asynchronous={elastic.asynchronous!r} must be True "
+        "or False")
+  if not elastic.asynchronous:
+    return
+  why = ("asynchronous islands never wait for a round, which is the wait "
+         "the overlaps hide")
+  if run_config.streaming:
+    raise problems_lib.ConfigError(
+        f"config.diloco.fragments={run_config.diloco.fragments} with "
+        f"config.elastic.asynchronous=True: {why} (Streaming DiLoCo: "
+        "config.diloco.fragments=0)")
+  if run_config.diloco.overlap_mode != "none":
+    raise problems_lib.ConfigError(
+        f"config.diloco.overlap={run_config.diloco.overlap_mode!r} with "
+        f"config.elastic.asynchronous=True: {why} "
+        "(config.diloco.overlap='none')")
+  for name, default in (("min_islands", 0), ("grace_seconds", 0.0),
+                        ("stale_rounds", 0)):
+    if elastic[name] != default:
+      raise problems_lib.ConfigError(
+          f"config.elastic.{name}={elastic[name]!r} with "
+          "config.elastic.asynchronous=True: no round closes on a quorum; "
+          "each result is applied when it arrives, weighed down when "
+          f"overtaken (config.elastic.{name}={default!r})")
 
 
 def _link(elastic) -> tuple[float, float]:

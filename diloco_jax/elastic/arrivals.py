@@ -1,0 +1,196 @@
+"""Asynchronous elastic rounds (config.elastic.asynchronous): no island
+waits for another. The coordinator applies each island's result the
+moment it arrives, and that island's next call starts at once from the x
+its result made.
+
+A round is a window of results: it closes once the results applied in it
+hold a round's island-steps (each member's steps of a call, planned now;
+what the last result adds beyond them counts in the next window), so the
+run trains the tokens rounds would. The window is then recorded,
+evaluated where the schedule says and checkpointed on a thread of its own
+while the islands train on. Under round_budget 'time' each island's call
+takes as many steps as fit in the fastest's H (speeds.py), so every
+island sends about once a window.
+
+Each result moves x by its own pseudo-gradient, against the x its call
+started from, times its share of a window: its tokens (times its corpus
+share) over those of the members' calls together. A window in which each
+member sent once thus moves x as a synchronous round's token-weighted
+mean does, through the same outer object (codec, outer optimizer),
+stepped once per result. A result that more results overtook than the
+one each other member sends meanwhile counts at 1 / (1 + that excess in
+windows): the staleness rule of late results.
+
+Data positions move on by the batches of each result that reached x; an
+island whose call failed (its process died) starts its next call from
+its last applied position, waiting for Ray's restart. No call is started
+beyond the island-steps the run still needs, so a run ends with little
+or no island's work in flight (what is, is cancelled and counted as run,
+not applied).
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import ray
+import ray.exceptions
+
+from diloco_jax.elastic import quorum
+from diloco_jax.elastic import rounds as rounds_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """An island's call in flight."""
+  island: int
+  start: object  # the x it started from (host arrays)
+  applied_before: int  # results the run had applied when it started
+  steps: int
+
+
+# A call that fails this often in one window waits for the next window
+# (a process Ray no longer restarts fails at once, every time).
+_FAILURES_PER_WINDOW = 2
+
+
+class ArrivalRounds:
+  """Rounds as windows of results, each result applied as it arrives."""
+
+  pipelined = False  # no round waits for another: nothing to pipeline
+
+  def __init__(self, coordinator, fleet, round_steps_of, slots: int,
+               rounds: int):
+    self._coordinator = coordinator
+    self._fleet = fleet
+    self._round_steps_of = round_steps_of
+    self._slots = slots
+    self._rounds = rounds
+    self._calls = {}  # ObjectRef -> _Call
+    self._applied = 0  # results applied by this command
+    self._shares = {}  # island -> its corpus share (times k), from results
+    self._call_steps = {}  # island -> the steps of its last call started
+    # Island-steps applied beyond the windows closed so far (a window's
+    # last result overshoots it): counted in the next.
+    self._carried = 0
+
+  def run(self, round_number: int, members: list[int], first_step: int,
+          steps: int) -> rounds_lib.Closed:
+    """Window `round_number` of `members`: every member without a call
+    gets one (`steps` inner steps, or its speed's share of them, its
+    schedule at the run's `first_step`), and results are applied as they
+    come until the window holds a round's island-steps (its members' own
+    steps, planned now; what the last result adds beyond them counts in
+    the next window)."""
+    coordinator, fleet = self._coordinator, self._fleet
+    started = time.monotonic()
+    # A slot that left has no process any more: its call is gone with it.
+    self._calls = {ref: call for ref, call in self._calls.items()
+                   if call.island in members}
+    plan = self._round_steps_of.plan(
+        fleet, rounds_lib.start_refs(coordinator, members), steps) or {}
+    need = sum(plan.get(i, steps) for i in members) - self._carried
+    # Island-steps the run needs from here on (later windows taken as
+    # this one): no call is started beyond them.
+    owed = need + (need + self._carried) * (self._rounds - round_number)
+    busy = {call.island for call in self._calls.values()}
+    x_ref = None
+    for i in members:
+      if i not in busy and self._in_flight() < owed:
+        x_ref = x_ref or ray.put(coordinator.x)
+        self._start(i, x_ref, round_number, first_step, plan.get(i, steps))
+    results, failed, failures, arrivals = {}, {}, {}, []
+    included = np.zeros(self._slots, bool)
+    run_steps = applied_steps = sent_bytes = got = 0
+    while applied_steps < need and self._calls:
+      [ref], _ = ray.wait(list(self._calls), num_returns=1)
+      call = self._calls.pop(ref)
+      i = call.island
+      run_steps += call.steps
+      try:
+        result = ray.get(ref)
+        arrived_at = time.time()
+      except (ray.exceptions.RayActorError,
+              ray.exceptions.RayTaskError) as error:
+        failed[i] = f"{type(error).__name__}: {str(error)[:200]}"
+        fleet.failed(i)
+        failures[i] = failures.get(i, 0) + 1
+        if failures[i] < _FAILURES_PER_WINDOW:
+          self._start(i, ray.put(coordinator.x), round_number, first_step,
+                      self._steps_of(i, steps))
+        continue
+      self._shares[i] = result["share"]
+      late = max(0, self._applied - call.applied_before
+                 - (len(members) - 1)) / len(members)
+      scale = (result["share"] * result["tokens"]
+               / self._window_tokens(members, steps, result) / (1 + late))
+      applied = coordinator.apply_arrival(
+          i, result, call.start, scale,
+          arrival=(round_number, got))
+      fleet.answered(i, result, applied)
+      self._round_steps_of.measured({i: result})
+      results[i] = result
+      sent_bytes += result["sent_bytes"]
+      # When the call began and ended on the island, reached the
+      # coordinator and was applied (wall clock).
+      arrivals.append({"island": i, "steps": len(result["losses"]),
+                       "late": round(late, 4), "scale": round(scale, 6),
+                       "applied": applied,
+                       "started_at": result["started_at"],
+                       "trained_at": result["trained_at"],
+                       "arrived_at": arrived_at, "applied_at": time.time()})
+      if applied:
+        got += 1
+        self._applied += 1
+        applied_steps += len(result["losses"])
+        included[i] = True
+      if self._in_flight() < owed - applied_steps:
+        self._start(i, ray.put(coordinator.x), round_number, first_step,
+                    self._steps_of(i, steps))
+    self._carried = max(0, applied_steps - need)
+    if round_number == self._rounds:  # the run's end: none left running
+      for ref in self._calls:
+        ray.cancel(ref)
+      self._calls = {}
+    coordinator.count_round()
+    came_back = quorum.RoundResults(results, failed, [], [],
+                                    time.monotonic() - started)
+    fleet.identify(results)
+    steps_taken = {}
+    for arrival in arrivals:
+      steps_taken[arrival["island"]] = (steps_taken.get(arrival["island"], 0)
+                                        + arrival["steps"])
+    return rounds_lib.Closed(
+        came_back, included, run_steps, applied_steps, sent_bytes,
+        {"asynchronous": True, "arrivals": arrivals,
+         "steps_taken": steps_taken, "stale": {}})
+
+  def _start(self, i: int, x_ref, round_number: int, first_step: int,
+             steps: int) -> None:
+    """Island i's next call, from x as it stands."""
+    ref = self._fleet.call(i, x_ref, round_number,
+                           self._coordinator.data_states[i], steps,
+                           first_step, True)
+    self._calls[ref] = _Call(i, self._coordinator.x, self._applied, steps)
+    self._call_steps[i] = steps
+
+  def _in_flight(self) -> int:
+    """Island-steps of the calls running."""
+    return sum(call.steps for call in self._calls.values())
+
+  def _steps_of(self, i: int, steps: int) -> int:
+    """Island i's steps of a call (its speed's share of `steps` under
+    round_budget 'time', as last measured)."""
+    if not self._round_steps_of.seconds_per_step:  # none measured
+      return steps
+    return (self._round_steps_of.plan(self._fleet, {}, steps)
+            or {}).get(i, steps)
+
+  def _window_tokens(self, members, steps, result) -> float:
+    """The tokens (times each island's corpus share) the window's
+    members train in a call each: the steps of each one's call (the one
+    this result ends, for its island), or its plan's."""
+    tokens_per_step = result["tokens"] / max(1, len(result["losses"]))
+    return sum(self._shares.get(i, 1.0) * tokens_per_step
+               * self._call_steps.get(i, self._steps_of(i, steps))
+               for i in members)
