@@ -334,13 +334,18 @@ def test_an_address_that_does_not_answer_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
+@pytest.mark.parametrize("flags", [(), ("--config.elastic.asynchronous=true",)],
+                         ids=["rounds", "asynchronous"])
+def test_a_killed_coordinator_resumes_from_its_last_round(flags, namespace,
                                                           tmp_path):
   """Every process of the run (the coordinator's, Ray's, the islands')
   SIGKILLed once the first round is checkpointed; the same command again
-  resumes from the coordinator's last round and finishes the run."""
+  resumes from the coordinator's last round and finishes the run. Under
+  asynchronous rounds the first window is checkpointed on a thread of its
+  own while the islands train on; the calls in flight at the kill are
+  lost, and the rerun trains their batches again."""
   workdir = tmp_path / "resumed"
-  first = _elastic(namespace, workdir, wait=False)
+  first = _elastic(namespace, workdir, *flags, wait=False)
   saved = workdir / "coordinator" / "1"
   deadline = time.monotonic() + 300
   while not saved.exists() and first.poll() is None:
@@ -350,7 +355,7 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
   first.wait(timeout=60)
   assert first.returncode != 0  # killed, not finished
   first_record = (workdir / "metrics.jsonl").read_text().splitlines()[0]
-  _elastic(namespace, workdir)
+  _elastic(namespace, workdir, *flags)
   summary = _summary(workdir)
   assert summary["resumed"] and summary["rounds"] == 3
   # A round's record is written before its checkpoint; the rerun drops
@@ -359,6 +364,12 @@ def test_a_killed_coordinator_resumes_from_its_last_round(namespace,
   lines = (workdir / "metrics.jsonl").read_text().splitlines()
   assert [r["round"] for r in _records(workdir)] == [1, 2, 3]
   assert lines[0] == first_record
+  if flags:  # each stream after exactly the applied results' batches
+    applied = [0, 0]
+    for record in _records(workdir):
+      for arrival in record["arrivals"]:
+        applied[arrival["island"]] += arrival["steps"] * arrival["applied"]
+    assert summary["data_states"] == [{"step": n} for n in applied]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pytest
 
 from diloco_jax.codecs import dense as dense_codecs
 from diloco_jax.config import problems
+from diloco_jax.elastic import arrivals
 from diloco_jax.elastic import coordinator as coordinator_lib
 from diloco_jax.elastic import payloads
 from diloco_jax.elastic import settings as settings_lib
@@ -45,6 +46,19 @@ def test_what_asynchronous_rounds_cannot_go_with_is_one_line(overrides,
   assert "\n" not in str(error.value)
   assert settings_lib.check(_run_config(_config(**{
       "elastic.asynchronous": True}))).asynchronous
+
+
+def test_a_result_counts_its_share_of_the_window_less_when_overtaken():
+  """A result weighing 300 of a window's 1,200 moves x by a quarter of its
+  pseudo-gradient while the results applied since its call started are
+  at most the one each other member sends (3 of 4 members); two more
+  than that, half a window, and it counts 1 / 1.5 as much."""
+  assert arrivals.arrival_scale(300.0, 1200.0, 0, 4) == 0.25
+  assert arrivals.arrival_scale(300.0, 1200.0, 3, 4) == 0.25
+  assert arrivals.arrival_scale(300.0, 1200.0, 5, 4) == pytest.approx(
+      0.25 / 1.5)
+  assert arrivals.arrival_scale(300.0, 1200.0, 11, 4) == pytest.approx(
+      0.25 / 3)
 
 
 def _moved(tree, rng):

@@ -54,6 +54,45 @@ class _Call:
 _FAILURES_PER_WINDOW = 2
 
 
+def arrival_scale(weight: float, window_weight: float, overtaken: int,
+                  members: int) -> float:
+  """What a result's pseudo-gradient is multiplied by when it reaches x:
+  its `weight` (tokens times corpus share) over the window's
+  (`window_weight`: the members' calls together), divided by 1 + how many
+  windows late it is: the results applied since its call started
+  (`overtaken`) beyond the one each other member sends meanwhile, in
+  windows of `members` results."""
+  late = max(0, overtaken - (members - 1)) / members
+  return weight / window_weight / (1 + late)
+
+
+@dataclasses.dataclass
+class _Window:
+  """What one window's results added up to."""
+  slots: int
+  results: dict = dataclasses.field(default_factory=dict)  # last per island
+  failed: dict = dataclasses.field(default_factory=dict)  # island -> why
+  failures: dict = dataclasses.field(default_factory=dict)  # island -> count
+  arrivals: list = dataclasses.field(default_factory=list)
+  run_steps: int = 0
+  applied_steps: int = 0
+  applied: int = 0  # results that reached x
+  sent_bytes: int = 0
+
+  def closed(self, seconds: float) -> rounds_lib.Closed:
+    included = np.zeros(self.slots, bool)
+    steps_taken = {}
+    for arrival in self.arrivals:
+      i = arrival["island"]
+      steps_taken[i] = steps_taken.get(i, 0) + arrival["steps"]
+      included[i] |= arrival["applied"]
+    return rounds_lib.Closed(
+        quorum.RoundResults(self.results, self.failed, [], [], seconds),
+        included, self.run_steps, self.applied_steps, self.sent_bytes,
+        {"asynchronous": True, "arrivals": self.arrivals,
+         "steps_taken": steps_taken, "stale": {}})
+
+
 class ArrivalRounds:
   """Rounds as windows of results, each result applied as it arrives."""
 
@@ -82,88 +121,83 @@ class ArrivalRounds:
     come until the window holds a round's island-steps (its members' own
     steps, planned now; what the last result adds beyond them counts in
     the next window)."""
-    coordinator, fleet = self._coordinator, self._fleet
     started = time.monotonic()
     # A slot that left has no process any more: its call is gone with it.
     self._calls = {ref: call for ref, call in self._calls.items()
                    if call.island in members}
-    plan = self._round_steps_of.plan(
-        fleet, rounds_lib.start_refs(coordinator, members), steps) or {}
-    need = sum(plan.get(i, steps) for i in members) - self._carried
+    x_ref = ray.put(self._coordinator.x)
+    plan = self._round_steps_of.plan(self._fleet,
+                                     {i: x_ref for i in members}, steps)
+    need = (sum((plan or {}).get(i, steps) for i in members)
+            - self._carried)
     # Island-steps the run needs from here on (later windows taken as
     # this one): no call is started beyond them.
     owed = need + (need + self._carried) * (self._rounds - round_number)
     busy = {call.island for call in self._calls.values()}
-    x_ref = None
     for i in members:
       if i not in busy and self._in_flight() < owed:
-        x_ref = x_ref or ray.put(coordinator.x)
-        self._start(i, x_ref, round_number, first_step, plan.get(i, steps))
-    results, failed, failures, arrivals = {}, {}, {}, []
-    included = np.zeros(self._slots, bool)
-    run_steps = applied_steps = sent_bytes = got = 0
-    while applied_steps < need and self._calls:
+        self._start(i, x_ref, round_number, first_step,
+                    self._round_steps_of.steps_of(i, steps))
+    window = _Window(self._slots)
+    while window.applied_steps < need and self._calls:
       [ref], _ = ray.wait(list(self._calls), num_returns=1)
       call = self._calls.pop(ref)
-      i = call.island
-      run_steps += call.steps
-      try:
-        result = ray.get(ref)
-        arrived_at = time.time()
-      except (ray.exceptions.RayActorError,
-              ray.exceptions.RayTaskError) as error:
-        failed[i] = f"{type(error).__name__}: {str(error)[:200]}"
-        fleet.failed(i)
-        failures[i] = failures.get(i, 0) + 1
-        if failures[i] < _FAILURES_PER_WINDOW:
-          self._start(i, ray.put(coordinator.x), round_number, first_step,
-                      self._steps_of(i, steps))
-        continue
-      self._shares[i] = result["share"]
-      late = max(0, self._applied - call.applied_before
-                 - (len(members) - 1)) / len(members)
-      scale = (result["share"] * result["tokens"]
-               / self._window_tokens(members, steps, result) / (1 + late))
-      applied = coordinator.apply_arrival(
-          i, result, call.start, scale,
-          arrival=(round_number, got))
-      fleet.answered(i, result, applied)
-      self._round_steps_of.measured({i: result})
-      results[i] = result
-      sent_bytes += result["sent_bytes"]
-      # When the call began and ended on the island, reached the
-      # coordinator and was applied (wall clock).
-      arrivals.append({"island": i, "steps": len(result["losses"]),
-                       "late": round(late, 4), "scale": round(scale, 6),
-                       "applied": applied,
-                       "started_at": result["started_at"],
-                       "trained_at": result["trained_at"],
-                       "arrived_at": arrived_at, "applied_at": time.time()})
-      if applied:
-        got += 1
-        self._applied += 1
-        applied_steps += len(result["losses"])
-        included[i] = True
-      if self._in_flight() < owed - applied_steps:
-        self._start(i, ray.put(coordinator.x), round_number, first_step,
-                    self._steps_of(i, steps))
-    self._carried = max(0, applied_steps - need)
+      window.run_steps += call.steps
+      self._take(ref, call, window, members, steps, round_number)
+      # The island's next call (after a failure it waits for Ray's
+      # restart of its process), unless it failed twice in the window.
+      if (window.failures.get(call.island, 0) < _FAILURES_PER_WINDOW
+          and self._in_flight() < owed - window.applied_steps):
+        self._start(call.island, ray.put(self._coordinator.x),
+                    round_number, first_step,
+                    self._round_steps_of.steps_of(call.island, steps))
+    self._carried = max(0, window.applied_steps - need)
     if round_number == self._rounds:  # the run's end: none left running
       for ref in self._calls:
         ray.cancel(ref)
       self._calls = {}
-    coordinator.count_round()
-    came_back = quorum.RoundResults(results, failed, [], [],
-                                    time.monotonic() - started)
-    fleet.identify(results)
-    steps_taken = {}
-    for arrival in arrivals:
-      steps_taken[arrival["island"]] = (steps_taken.get(arrival["island"], 0)
-                                        + arrival["steps"])
-    return rounds_lib.Closed(
-        came_back, included, run_steps, applied_steps, sent_bytes,
-        {"asynchronous": True, "arrivals": arrivals,
-         "steps_taken": steps_taken, "stale": {}})
+    self._coordinator.count_round()
+    self._fleet.identify(window.results)
+    return window.closed(time.monotonic() - started)
+
+  def _take(self, ref, call: _Call, window: _Window, members: list[int],
+            steps: int, round_number: int) -> None:
+    """Applies the result of `call` (its ObjectRef `ref`) to x, or counts
+    its failure (the island's process died)."""
+    i = call.island
+    try:
+      result = ray.get(ref)
+    except (ray.exceptions.RayActorError,
+            ray.exceptions.RayTaskError) as error:
+      window.failed[i] = f"{type(error).__name__}: {str(error)[:200]}"
+      window.failures[i] = window.failures.get(i, 0) + 1
+      self._fleet.failed(i)
+      return
+    arrived_at = time.time()
+    self._shares[i] = result["share"]
+    overtaken = self._applied - call.applied_before
+    scale = arrival_scale(result["share"] * result["tokens"],
+                          self._window_weight(members, steps, result),
+                          overtaken, len(members))
+    applied = self._coordinator.apply_arrival(
+        i, result, call.start, scale, arrival=(round_number, window.applied))
+    self._fleet.answered(i, result, applied)
+    self._round_steps_of.measured({i: result})
+    window.results[i] = result
+    window.sent_bytes += result["sent_bytes"]
+    # When the call began and ended on the island, reached the
+    # coordinator and was applied (wall clock).
+    window.arrivals.append({
+        "island": i, "steps": len(result["losses"]),
+        "overtaken": overtaken, "scale": round(scale, 6),
+        "applied": applied,
+        "started_at": result["started_at"],
+        "trained_at": result["trained_at"], "arrived_at": arrived_at,
+        "applied_at": time.time()})
+    if applied:
+      window.applied += 1
+      window.applied_steps += len(result["losses"])
+      self._applied += 1
 
   def _start(self, i: int, x_ref, round_number: int, first_step: int,
              steps: int) -> None:
@@ -178,19 +212,12 @@ class ArrivalRounds:
     """Island-steps of the calls running."""
     return sum(call.steps for call in self._calls.values())
 
-  def _steps_of(self, i: int, steps: int) -> int:
-    """Island i's steps of a call (its speed's share of `steps` under
-    round_budget 'time', as last measured)."""
-    if not self._round_steps_of.seconds_per_step:  # none measured
-      return steps
-    return (self._round_steps_of.plan(self._fleet, {}, steps)
-            or {}).get(i, steps)
-
-  def _window_tokens(self, members, steps, result) -> float:
+  def _window_weight(self, members, steps, result) -> float:
     """The tokens (times each island's corpus share) the window's
     members train in a call each: the steps of each one's call (the one
     this result ends, for its island), or its plan's."""
     tokens_per_step = result["tokens"] / max(1, len(result["losses"]))
     return sum(self._shares.get(i, 1.0) * tokens_per_step
-               * self._call_steps.get(i, self._steps_of(i, steps))
+               * self._call_steps.get(i, self._round_steps_of.steps_of(
+                   i, steps))
                for i in members)

@@ -110,8 +110,7 @@ class Fleet:
   def identify(self, results: dict) -> None:
     """Which process each member is (`processes`), as of `results`
     (island -> its last result)."""
-    self.processes = self._identify(quorum.RoundResults(results, {}, [], [],
-                                                        0.0))
+    self.processes = self._identify(results)
 
   def start_ahead(self, start, round_number: int, steps: int,
                   first_step: int,
@@ -171,7 +170,7 @@ class Fleet:
     return actor.get("State") == "RESTARTING" or (
         restarts is not None and restarts > self._restarts.get(i, 0))
 
-  def _identify(self, came_back: quorum.RoundResults) -> dict:
+  def _identify(self, results: dict) -> dict:
     """island -> which process it is, for each member: its "pid", "host"
     (name), "ip", "node" (Ray's node id) and "restarts". The process that
     trained the island's result of this round, or for a member without one
@@ -183,7 +182,7 @@ class Fleet:
     processes = {}
     for i, program in self._programs.items():
       actor = _actor_table(program)
-      result = came_back.results.get(i)
+      result = results.get(i)
       if result is not None and "process" in result:
         process = dict(result["process"])
       else:
@@ -227,7 +226,7 @@ class Fleet:
     # has not started it) and the island starts the next round anew.
     for i in [i for i in self._ahead if not self._applied.get(i)]:
       ray.cancel(self._ahead.pop(i))
-    self.processes = self._identify(came_back)
+    self.identify(came_back.results)
     # A late call is kept while its result could still be applied.
     self._in_flight = {
         self.calls[ref]: (ref, self._started[ref])

@@ -105,6 +105,13 @@ class RoundSteps:
       self.seconds_per_step.update(fleet.measure_step_seconds(starts))
     return island_steps(self.seconds_per_step, steps)
 
+  def steps_of(self, island: int, steps: int) -> int:
+    """`island`'s steps of a round of H = `steps`, from the speeds
+    measured so far (H under 'steps', or before any measurement)."""
+    if not self._timed:
+      return steps
+    return island_steps(self.seconds_per_step, steps).get(island, steps)
+
   def measured(self, results: dict) -> None:
     """Takes the islands' step times of a round's results."""
     for i, result in results.items():
