@@ -42,8 +42,10 @@ islands compile their steps); the same with the island-steps run (the
 quorum run's late results are run and dropped); busy, the share of the
 wall time from round 1's close to the last round's the islands
 spent in their calls' inner steps (each call's own setup included,
-however slow its steps ran: the rest they waited); island-steps run and
-applied; tokens trained (applied); wall s (the command's, Ray's start-up
+however slow its steps ran: the rest they waited); per island, its
+calls' time over their steps at its median step time (stretch), and for
+asynchronous runs the mean wait of a call at each hand-over; island-steps
+run and applied; tokens trained (applied); wall s (the command's, Ray's start-up
 and the compiles included); the final eval loss and its difference from
 the 'equal' run's and from the 'wait' run's.
 """
@@ -106,20 +108,27 @@ def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
   # Busy: the share of the wall time the islands spent in their inner
   # steps (each call's start to its steps' end, the call's own setup
   # included), however long the steps took; the rest they waited.
-  trained = 0.0
   begin, end = records[0]["closed_at"], records[-1]["closed_at"]
-  for r in timed:
-    calls = (r["arrivals"] if r.get("asynchronous") else
-             [{"started_at": r["started_at"][i], "trained_at": t}
-              for i, t in r.get("trained_at", {}).items()])
-    # Each call's time within the timed wall (calls that began in round
-    # 1 cut at its close).
-    trained += sum(max(0.0, min(c["trained_at"], end)
-                       - max(c["started_at"], begin))
-                   for c in calls if c.get("trained_at") is not None)
-  busy_wall = (end - begin) * len(knob)
+  calls = [c for r in timed for c in _calls(r)]
+  # Each call's time within the timed wall (calls that began in round 1
+  # cut at its close).
+  trained = sum(max(0.0, min(c["trained_at"], end)
+                    - max(c["started_at"], begin)) for c in calls)
+  # Stretch: island -> its calls' time over their steps at its median
+  # step time (above 1: its steps ran slower than their median, or the
+  # call's own setup took time; neither is waiting).
+  stretch = {i: sum(c["trained_at"] - c["started_at"] for c in mine)
+                / sum(c["steps"] * speed[i] for c in mine)
+             for i in speed
+             if (mine := [c for c in calls if c["island"] == i])}
   return {"run": run["name"],
-          "busy": trained / busy_wall,
+          "busy": trained / ((end - begin) * len(knob)),
+          "stretch": stretch,
+          # Asynchronous calls: mean milliseconds from a call's last step
+          # to its result at the coordinator, to the result applied, and
+          # to the island's next call begun.
+          "call_waits_ms": _call_waits_ms(
+              [a for r in timed for a in r.get("arrivals", [])]),
           "compute_used": sum(r["island_steps"]["applied"]
                               for r in timed) / possible,
           "compute_used_wall": sum(r["island_steps"]["applied"]
@@ -132,6 +141,36 @@ def _row(run: dict, tokens_per_step: int, knob: list[float]) -> dict:
           "round_seconds": round(round_seconds, 1),
           "wall_s": round(run["wall_s"], 1),
           "final_eval_loss": run["summary"]["final_eval_loss"]}
+
+
+def _calls(record: dict) -> list[dict]:
+  """A round's calls that trained (island, steps, started_at, trained_at):
+  its asynchronous arrivals, or each island's call of the round."""
+  if record.get("asynchronous"):
+    return record["arrivals"]
+  return [{"island": int(i), "steps": record["steps_taken"][i],
+           "started_at": record["started_at"][i], "trained_at": t}
+          for i, t in record.get("trained_at", {}).items()
+          if t is not None]
+
+
+def _call_waits_ms(arrivals: list[dict]) -> dict | None:
+  """The mean milliseconds asynchronous calls waited: their result on its
+  way ('to_coordinator'), being applied ('applied'), and the island's
+  next call to begin after it ('next_call'); None for rounds."""
+  if not arrivals:
+    return None
+  by_island = {}
+  for a in sorted(arrivals, key=lambda a: a["started_at"]):
+    by_island.setdefault(a["island"], []).append(a)
+  gaps = [b["started_at"] - a["applied_at"] for mine in by_island.values()
+          for a, b in zip(mine, mine[1:])]
+  mean_ms = lambda values: round(1000 * float(np.mean(values)), 1)
+  return {"to_coordinator": mean_ms([a["arrived_at"] - a["trained_at"]
+                                     for a in arrivals]),
+          "applied": mean_ms([a["applied_at"] - a["arrived_at"]
+                              for a in arrivals]),
+          "next_call": mean_ms(gaps), "calls": len(arrivals)}
 
 
 def main(argv):
@@ -181,7 +220,7 @@ def main(argv):
         / (tokens_per_step * islands * inner_steps)))
     fastest = max(knob)
     rows.append(_row(_run("equal", [
-        *common, f"--config.testing.island_speeds="
+        *common, "--config.testing.island_speeds="
         + ",".join([f"{fastest:g}"] * islands),
         f"--config.total_steps={total_steps}"]), tokens_per_step,
                      [fastest] * islands))
@@ -209,6 +248,12 @@ def _print(rows) -> None:
           f"{row['tokens']:9d} {row['round_seconds']:9.1f} "
           f"{row['wall_s']:7.1f} {row['final_eval_loss']:9.4f} "
           f"{shown['equal']:>8} {shown['wait']:>8}")
+  for row in rows:
+    print(f"{row['run']:10} stretch per island: "
+          + " ".join(f"{i}: {v:.2f}" for i, v in sorted(
+              row["stretch"].items()))
+          + (f"; waits per call (ms): {row['call_waits_ms']}"
+             if row["call_waits_ms"] else ""))
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(rows, f, indent=2)
