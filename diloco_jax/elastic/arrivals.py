@@ -126,9 +126,10 @@ class ArrivalRounds:
     self._calls = {ref: call for ref, call in self._calls.items()
                    if call.island in members}
     x_ref = ray.put(self._coordinator.x)
-    plan = self._round_steps_of.plan(self._fleet,
-                                     {i: x_ref for i in members}, steps)
-    need = (sum((plan or {}).get(i, steps) for i in members)
+    # Under round_budget 'time' the members are timed before the first.
+    self._round_steps_of.plan(self._fleet, {i: x_ref for i in members},
+                              steps)
+    need = (sum(self._round_steps_of.steps_of(i, steps) for i in members)
             - self._carried)
     # Island-steps the run needs from here on (later windows taken as
     # this one): no call is started beyond them.
@@ -153,8 +154,9 @@ class ArrivalRounds:
                     self._round_steps_of.steps_of(call.island, steps))
     self._carried = max(0, window.applied_steps - need)
     if round_number == self._rounds:  # the run's end: none left running
-      for ref in self._calls:
+      for ref, call in self._calls.items():
         ray.cancel(ref)
+        window.run_steps += call.steps  # set out, and never applied
       self._calls = {}
     self._coordinator.count_round()
     self._fleet.identify(window.results)

@@ -20,6 +20,10 @@ from diloco_jax.elastic import quorum
 from diloco_jax.elastic import settings as settings_lib
 
 
+# How long a ping of an idle island may take before it is taken as alive.
+_PING_SECONDS = 30.0
+
+
 class Fleet:
   """The member islands' Ray actors, round by round."""
 
@@ -75,13 +79,15 @@ class Fleet:
     for i, ref in self._ahead.items():
       self.calls[ref], self._started[ref] = i, round_number
     self._ahead = {}
-    for i in self._programs:
-      if i not in self._in_flight and i not in self.calls.values():
-        ref = self.call(i, starts[i], round_number, data_states[i],
-                        steps if island_steps is None
-                        else island_steps.get(i, steps),
-                        first_step, island_steps is not None)
-        self.calls[ref], self._started[ref] = i, round_number
+    idle = [i for i in self._programs
+            if i not in self._in_flight and i not in self.calls.values()]
+    self._rejoining.update(self._found_dead(idle))
+    for i in idle:
+      ref = self.call(i, starts[i], round_number, data_states[i],
+                      steps if island_steps is None
+                      else island_steps.get(i, steps),
+                      first_step, island_steps is not None)
+      self.calls[ref], self._started[ref] = i, round_number
     return self.calls
 
   def call(self, i: int, start, round_number: int, data_state,
@@ -107,10 +113,23 @@ class Fleet:
     self._rejoining.add(i)
     self._applied[i] = False
 
-  def identify(self, results: dict) -> None:
-    """Which process each member is (`processes`), as of `results`
-    (island -> its last result)."""
-    self.processes = self._identify(results)
+  def _found_dead(self, idle: list[int]) -> list[int]:
+    """The islands of `idle` (none of their calls running) whose process
+    does not answer: killed since its last result, maybe so recently that
+    Ray's records still call it alive (a call sent to it without retries
+    would fail at once, and the island miss the round instead of waiting
+    for its restart). One ping each, at once."""
+    pings = {self._programs[i].pid.remote(): i for i in idle
+             if i not in self._rejoining}
+    ready, _ = ray.wait(list(pings), num_returns=len(pings),
+                        timeout=_PING_SECONDS)
+    dead = []
+    for ref in ready:
+      try:
+        ray.get(ref)
+      except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+        dead.append(pings[ref])
+    return dead
 
   def start_ahead(self, start, round_number: int, steps: int,
                   first_step: int,
@@ -170,10 +189,11 @@ class Fleet:
     return actor.get("State") == "RESTARTING" or (
         restarts is not None and restarts > self._restarts.get(i, 0))
 
-  def _identify(self, results: dict) -> dict:
-    """island -> which process it is, for each member: its "pid", "host"
+  def identify(self, results: dict) -> None:
+    """Sets `processes`, island -> which process it is, for each member
+    as of `results` (island -> its last result): its "pid", "host"
     (name), "ip", "node" (Ray's node id) and "restarts". The process that
-    trained the island's result of this round, or for a member without one
+    trained the island's result, or for a member without one
     (its call failed or is late) the one Ray has for it at the round's
     close (pid None while Ray restarts it). restarts: how often Ray has
     restarted the member's actor (a slot that joins again gets a new
@@ -202,7 +222,7 @@ class Fleet:
                      process["host"], process["ip"], process["node"],
                      process["restarts"])
       processes[i] = process
-    return processes
+    self.processes = processes
 
   def _host(self, node: str | None) -> str | None:
     """The host name of Ray node `node` (None if Ray does not know it)."""
