@@ -144,8 +144,9 @@ def test_unequal_islands_send_as_they_finish_and_keep_exact_positions(
   ones depends on the machine's timing: a window closes on a round's
   island-steps, not on a result per member), island 1's calls take fewer
   steps and its results weigh less (their tokens), nothing is lost
-  (goodput 1), and each island's data stream has moved by exactly the
-  steps of its applied results."""
+  (goodput 1: the last window waits for the calls still running), and
+  each island's data stream has moved by exactly the steps of its applied
+  results."""
   workdir = str(tmp_path / "async")
   _elastic(namespace, workdir, _ASYNC, "--config.elastic.round_budget=time",
            "--config.testing.island_speeds=1,0.25")
@@ -170,6 +171,27 @@ def test_unequal_islands_send_as_they_finish_and_keep_exact_positions(
 
 
 @pytest.mark.slow
+def test_the_last_window_waits_for_a_slow_island_s_call(namespace, tmp_path):
+  """Island 1 at a fiftieth of island 0's speed under round_budget
+  'time': its calls of one step take longer than island 0's of H, so
+  island 0's results can fill the last window while island 1's call
+  still runs. The last window waits for it and applies it: no step run is
+  lost (goodput 1), and each stream stands after exactly its applied
+  steps."""
+  workdir = str(tmp_path / "slow")
+  _elastic(namespace, workdir, _ASYNC, "--config.elastic.round_budget=time",
+           "--config.testing.island_speeds=1,0.02")
+  records = _records(workdir)
+  assert all(r["island_steps"]["run"] == r["island_steps"]["applied"]
+             for r in records)
+  summary = _summary(workdir)
+  assert summary["goodput"] == 1.0
+  steps = _applied_steps(records)
+  assert summary["data_states"] == [{"step": steps[i]} for i in (0, 1)]
+  assert steps[1] > 0
+
+
+@pytest.mark.slow
 def test_an_asynchronous_island_killed_mid_call_restarts_and_goes_on(
     namespace, tmp_path):
   """Island 1's process SIGKILLs itself during its first call (the one
@@ -185,6 +207,10 @@ def test_an_asynchronous_island_killed_mid_call_restarts_and_goes_on(
   assert [r["round"] for r in records] == [1, 2, 3]
   assert [list(r["failed"]) for r in records if r["failed"]] == [["1"]]
   summary = _summary(workdir)
+  # The lost call's H steps are the only ones run and not applied: the
+  # last window waits for the calls still running.
+  assert sum(r["island_steps"]["run"] - r["island_steps"]["applied"]
+             for r in records) == 4
   assert summary["goodput"] < 1.0
   steps = _applied_steps(records)
   assert summary["data_states"] == [{"step": steps[i]} for i in (0, 1)]

@@ -9,6 +9,7 @@ import pytest
 from diloco_jax.config import problems
 from diloco_jax.config import validation
 from diloco_jax.elastic import coordinator as coordinator_lib
+from diloco_jax.elastic import island as island_lib
 from diloco_jax.elastic import settings as settings_lib
 from diloco_jax.elastic import speeds
 from tests import test_elastic
@@ -88,6 +89,24 @@ def test_the_speed_knob_slows_every_step_by_its_factor():
   started = time.monotonic()
   speeds.slow_down(1.0, 0.02)
   assert time.monotonic() - started < 0.01
+
+
+def test_the_speed_knob_leaves_the_compiling_step_alone(tmp_path,
+                                                       monkeypatch):
+  """An island at speed 0.25 slows every inner step but its process's
+  first, which compiles (a slower accelerator compiles no slower): timed
+  in 3 steps, 2 are slowed; a round of 2 steps after that, both."""
+  slowed = []
+  monkeypatch.setattr(speeds, "slow_down",
+                      lambda speed, seconds: slowed.append(speed))
+  run_config = _run_config(_config())
+  program = island_lib.IslandProgram(run_config, 0, str(tmp_path),
+                                     speed=0.25)
+  x = coordinator_lib.Coordinator(run_config, str(tmp_path)).x
+  assert program.measure_step_seconds(x, steps=3) > 0
+  assert slowed == [0.25, 0.25]
+  program.train_round(x, 1, None, 2)
+  assert slowed == [0.25] * 4
 
 
 def test_the_merge_weighs_each_island_by_the_tokens_it_trained(tmp_path):

@@ -24,9 +24,9 @@ windows): the staleness rule of late results.
 Data positions move on by the batches of each result that reached x; an
 island whose call failed (its process died) starts its next call from
 its last applied position, waiting for Ray's restart. No call is started
-beyond the island-steps the run still needs, so a run ends with little
-or no island's work in flight (what is, is cancelled and counted as run,
-not applied).
+beyond the island-steps the run still needs, and the last window waits
+for the calls still running and applies them: a run's only lost work is
+that of failed calls.
 """
 
 import dataclasses
@@ -141,10 +141,7 @@ class ArrivalRounds:
                     self._round_steps_of.steps_of(i, steps))
     window = _Window(self._slots)
     while window.applied_steps < need and self._calls:
-      [ref], _ = ray.wait(list(self._calls), num_returns=1)
-      call = self._calls.pop(ref)
-      window.run_steps += call.steps
-      self._take(ref, call, window, members, steps, round_number)
+      call = self._take_next(window, members, steps, round_number)
       # The island's next call (after a failure it waits for Ray's
       # restart of its process), unless it failed twice in the window.
       if (window.failures.get(call.island, 0) < _FAILURES_PER_WINDOW
@@ -152,15 +149,26 @@ class ArrivalRounds:
         self._start(call.island, ray.put(self._coordinator.x),
                     round_number, first_step,
                     self._round_steps_of.steps_of(call.island, steps))
+    if round_number == self._rounds:
+      # The run's end: the calls still running were started for steps
+      # the run owed (at most one per island), so their results are
+      # waited for and applied, and no island's work is thrown away.
+      while self._calls:
+        self._take_next(window, members, steps, round_number)
     self._carried = max(0, window.applied_steps - need)
-    if round_number == self._rounds:  # the run's end: none left running
-      for ref, call in self._calls.items():
-        ray.cancel(ref)
-        window.run_steps += call.steps  # set out, and never applied
-      self._calls = {}
     self._coordinator.count_round()
     self._fleet.identify(window.results)
     return window.closed(time.monotonic() - started)
+
+  def _take_next(self, window: _Window, members: list[int], steps: int,
+                 round_number: int) -> _Call:
+    """Waits for the first of the calls running to end, applies its
+    result (or counts its failure) and returns the call."""
+    [ref], _ = ray.wait(list(self._calls), num_returns=1)
+    call = self._calls.pop(ref)
+    window.run_steps += call.steps
+    self._take(ref, call, window, members, steps, round_number)
+    return call
 
   def _take(self, ref, call: _Call, window: _Window, members: list[int],
             steps: int, round_number: int) -> None:
