@@ -66,18 +66,24 @@ def _moved(tree, rng):
       lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype), tree)
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_results_applied_one_by_one_add_up_to_the_round_s_mean(codec,
-                                                               tmp_path):
-  """With outer SGD at lr 1, results applied one by one, each scaled by
-  its share of the window's tokens (3/4 and 1/4: island 0 trained 3 times
-  the tokens), move x where a synchronous round's token-weighted mean of
-  the same results moves it, though the second is applied to the x the
-  first made (against the x its call started from). Sent as params
+@pytest.mark.parametrize("codec,outer", [("fp32", "sgd"), ("int8", "sgd"),
+                                         ("fp32", "nesterov"),
+                                         ("int8", "adam")])
+def test_windows_of_results_applied_one_by_one_equal_rounds(codec, outer,
+                                                            tmp_path):
+  """Two windows, each of a result per island applied one by one (scaled
+  by its share of the window's tokens, 3/4 and 1/4: island 0 trained 3
+  times the tokens), move x where two synchronous rounds of the
+  token-weighted mean of the same results move it: the second result of a
+  window is applied to the x the first made (against the x its call
+  started from), and the outer optimizer's state (Nesterov's momentum,
+  Adam's moments) moves once a window, as a round's does. Sent as params
   (fp32) or as the pseudo-gradient the island encoded (int8). Sums in
-  another order: 1e-6."""
-  config = _config(**{"diloco.outer_optimizer.name": "sgd",
-                      "diloco.outer_optimizer.learning_rate": 1.0,
+  another order: 1e-6 (Adam's step divides by its second moment's root:
+  1e-5)."""
+  config = _config(**{"diloco.outer_optimizer.name": outer,
+                      "diloco.outer_optimizer.learning_rate": (
+                          1.0 if outer == "sgd" else 0.1),
                       "diloco.codec": codec})
   rng = np.random.default_rng(0)
   dense = dense_codecs.make_codec(codec, config.diloco.codec_block_size)
@@ -85,26 +91,30 @@ def test_results_applied_one_by_one_add_up_to_the_round_s_mean(codec,
                                            str(tmp_path / "async"))
   round_ = coordinator_lib.Coordinator(_run_config(config),
                                        str(tmp_path / "round"))
-  x = one_by_one.x
-  results = {}
-  for i, (tokens, steps) in enumerate(((384, 3), (128, 1))):
-    y = _moved(x, rng)
-    sent = ({"params": y} if codec == "fp32" else
-            {"payload": jax.device_get(
-                payloads.island_payload(x, y, None, dense)[0])})
-    results[i] = {"round": 1, "share": 1.0, "tokens": tokens,
-                  "data_state": {"step": steps}, **sent}
-  assert one_by_one.apply_arrival(0, results[0], x, 0.75, arrival=(1, 0))
-  assert one_by_one.apply_arrival(1, results[1], x, 0.25, arrival=(1, 1))
-  round_.close_round(results, 1)
-  for got, want in zip(jax.tree.leaves(one_by_one.x),
-                       jax.tree.leaves(round_.x)):
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-  assert one_by_one.data_states == round_.data_states == [{"step": 3},
-                                                          {"step": 1}]
-  assert one_by_one.rounds_done == 0  # a round is a window: counted apart
-  one_by_one.count_round()
-  assert one_by_one.rounds_done == 1
+  for window in (1, 2):
+    x = round_.x
+    results = {}
+    for i, (tokens, steps) in enumerate(((384, 3), (128, 1))):
+      y = _moved(x, rng)
+      sent = ({"params": y} if codec == "fp32" else
+              {"payload": jax.device_get(
+                  payloads.island_payload(x, y, None, dense)[0])})
+      results[i] = {"round": window, "share": 1.0, "tokens": tokens,
+                    "data_state": {"step": steps * window}, **sent}
+    assert one_by_one.apply_arrival(0, results[0], x, 0.75,
+                                    arrival=(window, 0))
+    assert one_by_one.apply_arrival(1, results[1], x, 0.25,
+                                    arrival=(window, 1))
+    round_.close_round(results, window)
+    assert one_by_one.rounds_done == window - 1  # a window: counted apart
+    one_by_one.count_round()
+    tolerance = 1e-5 if outer == "adam" else 1e-6
+    for got, want in zip(jax.tree.leaves(one_by_one.x),
+                         jax.tree.leaves(round_.x)):
+      np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+  assert one_by_one.data_states == round_.data_states == [{"step": 6},
+                                                          {"step": 2}]
+  assert one_by_one.rounds_done == round_.rounds_done == 2
   one_by_one.close()
   round_.close()
 

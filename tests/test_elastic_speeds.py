@@ -91,6 +91,24 @@ def test_the_speed_knob_slows_every_step_by_its_factor():
   assert time.monotonic() - started < 0.01
 
 
+def test_the_speed_knob_scales_the_typical_step_not_a_held_up_one(
+    monkeypatch):
+  """After the first step (the compile), the knob sleeps by the median of
+  the raw steps so far: a step another process held up (0.5 s among
+  0.1 s ones) is not slowed 1/speed times its delay."""
+  slept = []
+  monkeypatch.setattr(speeds, "slow_down",
+                      lambda speed, seconds: slept.append((speed, seconds)))
+  knob = speeds.SpeedKnob(0.1)
+  for seconds in (3.0, 0.1, 0.1, 0.5, 0.1):
+    knob.after_step(seconds)
+  assert slept == [(0.1, 0.1)] * 4
+  full_speed = speeds.SpeedKnob(1.0)
+  for seconds in (3.0, 0.1):
+    full_speed.after_step(seconds)
+  assert len(slept) == 4
+
+
 def test_the_speed_knob_leaves_the_compiling_step_alone(tmp_path,
                                                        monkeypatch):
   """An island at speed 0.25 slows every inner step but its process's

@@ -12,12 +12,14 @@ while the islands train on. Under round_budget 'time' each island's call
 takes as many steps as fit in the fastest's H (speeds.py), so every
 island sends about once a window.
 
-Each result moves x by its own pseudo-gradient, against the x its call
-started from, times its share of a window: its tokens (times its corpus
-share) over those of the members' calls together. A window in which each
-member sent once thus moves x as a synchronous round's token-weighted
-mean does, through the same outer object (codec, outer optimizer),
-stepped once per result. A result that more results overtook than the
+Each result's pseudo-gradient, against the x its call started from,
+times its share of a window (its tokens, times its corpus share, over
+those of the members' calls together), joins the window's sum, and x at
+once becomes the outer object's step (codec, outer optimizer) over that
+sum from the window's first x; the optimizer's state (its momentum)
+moves on once a window (Coordinator.apply_arrival). A window in which
+each member sent once thus moves x exactly as a synchronous round's
+token-weighted mean does. A result that more results overtook than the
 one each other member sends meanwhile counts at 1 / (1 + that excess in
 windows): the staleness rule of late results.
 

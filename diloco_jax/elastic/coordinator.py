@@ -85,6 +85,10 @@ class Coordinator:
     self._starts_of_round = {}  # round -> the points it started from
     self._update = jax.jit(outer.update, static_argnames="fragment")
     self._apply = jax.jit(outer.apply, static_argnames="fragment")
+    self._mean = jax.jit(outer.mean, static_argnames="fragment")
+    # The asynchronous mode's open window: (its first x, its first state,
+    # its results' pseudo-gradients summed), or None.
+    self._window = None
     self._finish = jax.jit(outer.finish)
     self._land = jax.jit(outer.land)
     self._model = jax.jit(outer.model)
@@ -169,37 +173,46 @@ class Coordinator:
                     scale: float, arrival: tuple[int, int]) -> bool:
     """The asynchronous mode's outer step (arrivals.py) on one island's
     result the moment it arrives: its pseudo-gradient against `start`
-    (the x its call started from) times `scale`, applied to x now through
-    the outer object (its codec, its optimizer), the other islands left
-    out; the island's data position moves on. `arrival`: (the round,
-    how many of its results came before), its rounding key's. No round
-    is counted (`count_round`). Returns whether the result was applied
-    (a non-finite one is not)."""
+    (the x its call started from) times `scale`, through the codec, is
+    added to its window's, and x becomes the outer optimizer's step over
+    that sum from the window's first x and optimizer state. The optimizer
+    state (its momentum) moves on once a window, at `count_round`, as a
+    round's does: stepped once per result, it compounds stale results
+    (delayed Nesterov, Liu et al. 2024). The island's data position moves
+    on. `arrival`: (the round, how many of its results came before), its
+    rounding key's. Returns whether the result was applied (a non-finite
+    one is not)."""
     weights = np.zeros(self._islands, np.float32)
     weights[island] = 1.0
     self.round_bytes = library.bytes_sent(self.x, self._islands,
                                           self._outer.codec,
                                           self._state.codec_state)
     if self._island_encoded:
-      step = self._apply(self.x, None, self._state, self._decoded_mean(
-          {island: result["payload"]}, weights, self.x,
-          scales={island: scale}))
+      synced = self._decoded_mean({island: result["payload"]}, weights,
+                                  self.x, scales={island: scale})
     else:
       params = [self.x] * self._islands
       params[island] = _rebased(self.x, start, result["params"], scale)
       islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
-      step = self._update(
+      synced = self._mean(
           self.x, islands, self._state, weights=jnp.asarray(weights),
           key=island_sync.rounding_key(self._rounding_seed, *arrival))
+    if not bool(np.asarray(synced.included)[island]):
+      return False
+    base_x, base_state, total = self._window or (self.x, self._state, None)
+    total = (synced.mean if total is None
+             else jax.tree.map(jnp.add, total, synced.mean))
+    self._window = (base_x, base_state, total)
+    step = self._apply(base_x, None, base_state, synced._replace(mean=total))
     self.x, self._state = jax.device_get((step.params, step.state))
-    applied = bool(np.asarray(self._state.included)[island])
-    if applied:
-      self.data_states[island] = result["data_state"]
-    return applied
+    self.data_states[island] = result["data_state"]
+    return True
 
   def count_round(self) -> None:
-    """One more round done (the asynchronous mode's window of results)."""
+    """One more round done (the asynchronous mode's window of results):
+    the next result opens a window from x and the state as they stand."""
     self.rounds_done += 1
+    self._window = None
 
   def _closed(self, results, included) -> np.ndarray:
     """The round counted, each included island's data position moved on;

@@ -63,10 +63,8 @@ class IslandProgram:
       benchmarks of failures).
     slow_rounds: {1-based round: seconds}: this island sleeps that long
       before that round's first step (a straggler).
-    speed: this island's every inner step takes 1/speed as long
-      (speeds.py: islands of unequal speeds, in tests and benchmarks),
-      but for the process's first, which compiles: the knob stands for a
-      slower accelerator, not a slower compiler.
+    speed: this island's inner steps take 1/speed as long (speeds.py's
+      SpeedKnob: islands of unequal speeds, in tests and benchmarks).
     kill_after: rounds (1-based) right after whose result this island's
       process kills itself, once per run (tests of a restart between
       rounds).
@@ -78,8 +76,7 @@ class IslandProgram:
                speed: float = 1.0, kill_after: tuple[int, ...] = ()):
     config = run_config.config
     self.island = island
-    self._speed = speed
-    self._compiled = False  # whether the inner step has run in this process
+    self._knob = speeds.SpeedKnob(speed)
     self._kill_steps = kill_steps or {}
     self._slow_rounds = slow_rounds or {}
     self._kill_after = set(kill_after)
@@ -172,7 +169,7 @@ class IslandProgram:
       if self._streaming:
         self._merge(x, round_steps.merges_before_sends(
             self._schedule, first_step + step + 1))
-      self._slow_down(time.monotonic() - step_started)
+      self._knob.after_step(time.monotonic() - step_started)
       step_seconds.append(time.monotonic() - step_started)
     trained_at = time.time()
     if round_number in self._kill_after:
@@ -229,16 +226,9 @@ class IslandProgram:
       started = time.monotonic()
       state, metrics = self._inner_step(state, batch)
       jax.block_until_ready(metrics["loss"])
-      self._slow_down(time.monotonic() - started)
+      self._knob.after_step(time.monotonic() - started)
       times.append(time.monotonic() - started)
     return speeds.typical_step_seconds(times[1:])  # the first compiles
-
-  def _slow_down(self, step_seconds: float) -> None:
-    """The speed knob after an inner step of `step_seconds`, except for
-    the process's first (its compile)."""
-    if self._compiled:
-      speeds.slow_down(self._speed, step_seconds)
-    self._compiled = True
 
   def _merge(self, x, fragments) -> None:
     """The outer object's merge of each of `fragments` from x into this

@@ -16,10 +16,11 @@ With 'steps' (the default) every island takes H steps and the round
 waits for them (or closes on the quorum).
 
 The knob: config.testing.island_speeds 'S0,S1,...' (one per island, each
-in (0, 1]) makes island i's every inner step take 1/S_i times as long: it
-sleeps (1/S_i - 1) times the step's own duration after each step.
+in (0, 1]) makes island i's inner steps take 1/S_i times as long
+(SpeedKnob).
 """
 
+import collections
 import statistics
 import time
 
@@ -53,6 +54,35 @@ def slow_down(speed: float, step_seconds: float) -> None:
   long."""
   if speed < 1:
     time.sleep(step_seconds * (1 / speed - 1))
+
+
+# The raw steps whose median the knob scales.
+_KNOB_STEPS = 20
+
+
+class SpeedKnob:
+  """An island slowed to `speed` of its pace, as a slower accelerator
+  would run it: after each inner step it sleeps (1/speed - 1) times the
+  median of its recent raw steps. Not the step's own time: a step that
+  another island's step on a shared core held up would be slowed 1/speed
+  times its delay, and islands sharing a machine would measure that
+  jitter, not their speeds. The process's first step, which compiles, is
+  left alone: a slower accelerator compiles no slower."""
+
+  def __init__(self, speed: float):
+    self.speed = speed
+    self._raw = collections.deque(maxlen=_KNOB_STEPS)
+    self._compiled = False
+
+  def after_step(self, step_seconds: float) -> None:
+    """Sleeps after an inner step of `step_seconds` (raw, before any
+    sleep) as the knob says."""
+    if not self._compiled:
+      self._compiled = True
+      return
+    if self.speed < 1:
+      self._raw.append(step_seconds)
+      slow_down(self.speed, statistics.median(self._raw))
 
 
 def typical_step_seconds(step_seconds: list[float]) -> float | None:
