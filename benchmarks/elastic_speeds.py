@@ -7,7 +7,7 @@ r"""Elastic islands of unequal speeds: compute used, wall time and loss (root).
 Runs `python -m diloco_jax.elastic` on the config, each run in a network
 namespace of its own with loopback only (elastic_run.py; removed after the
 run), its islands slowed by config.testing.island_speeds (each island's
-every inner step takes 1/speed as long):
+inner steps take 1/speed as long, speeds.SpeedKnob):
 
   wait     rounds of H steps that wait for every island (the slowest sets
            each round's length).
@@ -29,9 +29,10 @@ every inner step takes 1/speed as long):
            config's own steps: the knob slows, it changes no number.)
 
 On one machine the islands share its cores, so each island's speed is
-the knob's times what the others leave it: give speeds whose sum fits
-the cores (on 2 cores, 0.5,0.5,0.25,0.125 for islands at 1, 1, 0.5 and
-0.25 of the fastest) so that the islands' ratios hold.
+the knob's times what the others leave it: give speeds whose sum stays
+well under the cores, so that the islands seldom step at once and their
+ratios hold (on 2 cores, 0.1,0.1,0.05,0.025 for islands at 1, 1, 0.5
+and 0.25 of the fastest: each computes a tenth of the time).
 
 Per run the table gives: compute used, the island-steps whose work
 reached x over those the islands could have run in the rounds' time
