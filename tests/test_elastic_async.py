@@ -48,19 +48,6 @@ def test_what_asynchronous_rounds_cannot_go_with_is_one_line(overrides,
       "elastic.asynchronous": True}))).asynchronous
 
 
-def test_a_result_counts_its_share_of_the_window_less_when_overtaken():
-  """A result weighing 300 of a window's 1,200 moves x by a quarter of its
-  pseudo-gradient while the results applied since its call started are
-  at most the one each other member sends (3 of 4 members); two more
-  than that, half a window, and it counts 1 / 1.5 as much."""
-  assert arrivals.arrival_scale(300.0, 1200.0, 0, 4) == 0.25
-  assert arrivals.arrival_scale(300.0, 1200.0, 3, 4) == 0.25
-  assert arrivals.arrival_scale(300.0, 1200.0, 5, 4) == pytest.approx(
-      0.25 / 1.5)
-  assert arrivals.arrival_scale(300.0, 1200.0, 11, 4) == pytest.approx(
-      0.25 / 3)
-
-
 def _moved(tree, rng):
   return jax.tree.map(
       lambda a: a + rng.normal(0, 0.01, a.shape).astype(a.dtype), tree)

@@ -36,6 +36,7 @@ from diloco_jax.algorithm.library_diloco import (
 from diloco_jax.algorithm.library_eager import (
     EagerState, eager_init, eager_settle, eager_update)
 from diloco_jax.algorithm.outer import DiLoCo, OuterState, Update, diloco
+from diloco_jax.algorithm.outer_windows import Window, arrival_scale
 from diloco_jax.algorithm.outer_overlaps import (
     eager, no_overlap, one_step_delay, streaming)
 from diloco_jax.algorithm.library_specs import (
@@ -45,8 +46,8 @@ from diloco_jax.algorithm.library_streaming import (
     streaming_init, streaming_schedule)
 
 __all__ = [
-    "DiLoCo", "OuterState", "Update", "diloco", "eager", "no_overlap",
-    "one_step_delay", "streaming",
+    "DiLoCo", "OuterState", "Update", "Window", "arrival_scale", "diloco",
+    "eager", "no_overlap", "one_step_delay", "streaming",
     "DiLoCoState", "EagerState", "IslandMean", "StreamingState", "adam",
     "bytes_sent", "codec", "eager_init", "eager_settle", "eager_update",
     "fedavg", "flush", "fragment_assignment", "fragment_merge",

@@ -12,12 +12,13 @@
 state (outer_state.py) holds what changes from round to round and
 remembers which object made it, so nothing is given twice. Every runtime
 runs it: outer_step.py, compiled/host_outer.py, the elastic coordinator.
+Results that arrive one at a time (asynchronous islands) are summed in
+windows: `open_window`, `arrival_mean`, `add_arrival` (outer_windows.py).
 
-Every call works in two forms: stacked (islands' trees [k, ...],
-`init(x, k)`, axis_name=None) and per island (inside shard_map, one
-island's trees, `init(x)` or `this_island` of a stacked state, axis_name
-the islands' mesh axis). A stacked state's per-island fields split over
-the islands' axis with library_specs.island_specs.
+Every call works stacked (islands' trees [k, ...], `init(x, k)`,
+axis_name=None) and per island (inside shard_map: one island's trees,
+`init(x)` or `this_island` of a stacked state, axis_name the islands'
+axis; library_specs.island_specs split a stacked state over it).
 """
 
 import dataclasses
@@ -36,6 +37,7 @@ from diloco_jax.algorithm import outer_eager
 from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_rules
 from diloco_jax.algorithm import outer_state
+from diloco_jax.algorithm import outer_windows
 from diloco_jax.algorithm import overlap as overlap_lib
 from diloco_jax.algorithm import streaming_rules
 
@@ -195,14 +197,8 @@ class DiLoCo:
     outer_checks.check_state(self, state, "apply")
     if self._streaming or fragment is not None:
       outer_checks.check_fragment_of(self, fragment, "apply")
-      x, state = fragments_lib.with_fragment_parts(
-          params, state, fragment, self.step_fragment(
-              fragments_lib.fragment_parts(params, state, fragment), synced))
-      state = state.replace(included=synced.included, round=state.round + 1)
-      if self.overlap.fragment_delay == 0 and island_params is not None:
-        island_params = self.merge(x, island_params, state,
-                                   fragment=fragment)
-      return Update(x, island_params, state)
+      return streaming_rules.apply_fragment(self, params, island_params,
+                                            state, synced, fragment)
     landed = (state.in_flight, state.in_flight_valid)
     x, state = self.land(params, state, stages=stages)
     x, state = self.take(x, state, synced, stages=stages)
@@ -297,26 +293,15 @@ class DiLoCo:
     outer_checks.check_state(self, state, "model")
     if not self._eager:
       return params
-    stacked = state.included.ndim == 1
-    outer_checks.check_form(stacked, axis_name, "model")
-    if stacked:
-      return island_trees.islands_average(state.anchors)
-    return jax.tree.map(lambda a: outer_state.mean_over(a, axis_name),
-                        state.anchors)
+    outer_checks.check_form(state.included.ndim == 1, axis_name, "model")
+    return outer_eager.average_point(state, axis_name)
 
   def merge(self, params, island_params, state: OuterState, *,
             fragment: int):
     """Streaming: the islands with fragment `fragment`'s leaves taken from
     x (blended by the overlap's alpha); an island whose fragment is not
     finite takes x. Call it `fragment_delay` inner steps after the send."""
-    outer_checks.check_state(self, state, "merge")
-    if not self._streaming:
-      raise ValueError(f"merge: overlap {self.overlap} has no fragments; "
-                       "merge belongs to diloco(overlap=streaming(...))")
-    library_checks.check_fragment(fragment, self.overlap.num_fragments,
-                                  "merge")
-    library_checks.check_islands(params, island_params,
-                                 state.included.ndim == 1)
+    outer_checks.check_merge(self, params, island_params, state, fragment)
     return streaming_rules.merge_fragment(params, island_params,
                                           state.recipe.assignment, fragment,
                                           self.overlap.alpha)
@@ -335,17 +320,31 @@ class DiLoCo:
     """Streaming: what to run after inner step `step` (1-based), in order:
     ("send", p): `update(..., fragment=p)`; ("merge", p): `merge`. With
     fragment_delay 0 there are no merges: `update` merges at once."""
-    if not self._streaming:
-      raise ValueError(f"schedule: overlap {self.overlap} syncs the whole "
-                       "model every inner_steps steps; schedule belongs to "
-                       "streaming(...)")
-    actions = streaming_rules.streaming_schedule(
-        step, inner_steps=inner_steps,
-        num_fragments=self.overlap.num_fragments, total_steps=total_steps,
-        fragment_delay=self.overlap.fragment_delay)
-    if self.overlap.fragment_delay == 0:
-      return [(kind, p) for kind, p in actions if kind == "send"]
-    return actions
+    return streaming_rules.object_schedule(self.overlap, step,
+                                           inner_steps=inner_steps,
+                                           total_steps=total_steps)
+
+  # Results that arrive one at a time: outer_windows.py has the loop.
+
+  def open_window(self, params, state: OuterState) -> outer_windows.Window:
+    """A window of results opening at x = `params` and stacked `state`."""
+    outer_checks.check_plain(self, "open_window")
+    return outer_windows.open_window(params, state)
+
+  def arrival_mean(self, params, state: OuterState, island, island_params,
+                   start, *, scale=1.0, key: jax.Array | None = None
+                   ) -> island_mean_lib.IslandMean:
+    """One island's result for `add_arrival`: its pseudo-gradient against
+    `start` (its call's x) times `scale`, through the codec."""
+    return outer_windows.arrival_mean(self, params, state, island,
+                                      island_params, start, scale=scale,
+                                      key=key)
+
+  def add_arrival(self, window: outer_windows.Window,
+                  synced: island_mean_lib.IslandMean):
+    """(x, state, window): the outer step on the window's results and
+    `synced` summed, from the window's first x and state."""
+    return outer_windows.add_arrival(self, window, synced)
 
   # The pieces.
 

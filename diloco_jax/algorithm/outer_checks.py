@@ -103,3 +103,26 @@ def check_form(stacked: bool, axis_name, function: str) -> None:
         "num_islands=None), so this runs per island: inside shard_map or "
         "pmap give axis_name=<the islands' mesh axis>; for stacked islands "
         "[k, ...] make the state with init(params, num_islands=k)")
+
+
+def check_plain(outer, function: str) -> None:
+  """Refuses an outer object whose step is not the plain one (results
+  that arrive one at a time, outer_windows.py)."""
+  if not isinstance(outer.overlap, outer_overlaps.NoOverlap):
+    raise ValueError(
+        f"{function}: results that arrive one at a time take the plain "
+        f"outer step; overlap {outer.overlap} has no rounds to overlap "
+        "here (build it with diloco(..., overlap=no_overlap()))")
+
+
+def check_merge(outer, params, island_params, state, fragment) -> None:
+  """`merge`'s arguments: a streaming object, a fragment of it, islands
+  shaped as the state's form."""
+  check_state(outer, state, "merge")
+  if not isinstance(outer.overlap, outer_overlaps.Streaming):
+    raise ValueError(f"merge: overlap {outer.overlap} has no fragments; "
+                     "merge belongs to diloco(overlap=streaming(...))")
+  library_checks.check_fragment(fragment, outer.overlap.num_fragments,
+                                "merge")
+  library_checks.check_islands(params, island_params,
+                               state.included.ndim == 1)

@@ -66,3 +66,12 @@ def settle(outer_tx: optax.GradientTransformation,
       own_shares=jax.tree.map(jnp.zeros_like, state.own_shares),
       in_flight=jax.tree.map(jnp.zeros_like, state.in_flight),
       in_flight_valid=jnp.zeros((), bool))
+
+
+def average_point(state: outer_state.OuterState, axis_name: str | None):
+  """The islands' average point (their anchors' mean): stacked with
+  `axis_name` None, else a mean over that axis."""
+  if axis_name is None:
+    return island_trees.islands_average(state.anchors)
+  return jax.tree.map(lambda a: outer_state.mean_over(a, axis_name),
+                      state.anchors)

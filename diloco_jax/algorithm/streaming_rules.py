@@ -11,7 +11,9 @@ import optax
 
 from diloco_jax.algorithm import fragments as fragments_lib
 from diloco_jax.algorithm import island_mean as island_mean_lib
+from diloco_jax.algorithm import outer_overlaps
 from diloco_jax.algorithm import outer_rules
+from diloco_jax.algorithm import outer_state
 from diloco_jax.algorithm import schedule as schedule_lib
 
 
@@ -80,6 +82,23 @@ def streaming_schedule(step: int, *, inner_steps: int, num_fragments: int,
   return [(action.kind, action.fragment) for action in schedule.after(step)]
 
 
+def object_schedule(overlap, step: int, *, inner_steps: int,
+                    total_steps: int) -> list[tuple[str, int]]:
+  """The outer object's `schedule` under `overlap` (streaming(...)'s):
+  `streaming_schedule`, without the merges where fragment_delay is 0 (the
+  object's update merges at once)."""
+  if not isinstance(overlap, outer_overlaps.Streaming):
+    raise ValueError(f"schedule: overlap {overlap} syncs the whole "
+                     "model every inner_steps steps; schedule belongs to "
+                     "streaming(...)")
+  actions = streaming_schedule(
+      step, inner_steps=inner_steps, num_fragments=overlap.num_fragments,
+      total_steps=total_steps, fragment_delay=overlap.fragment_delay)
+  if overlap.fragment_delay == 0:
+    return [(kind, p) for kind, p in actions if kind == "send"]
+  return actions
+
+
 def check_assignment(params, assignment, num_fragments: int) -> None:
   """`assignment` gives each leaf of `params` one of the fragments
   0..num_fragments - 1, each used."""
@@ -105,6 +124,20 @@ def step_parts(outer_tx: optax.GradientTransformation,
       synced.mean, synced.anyone)
   return fragments_lib.FragmentParts(x, outer_opt_state, synced.residuals,
                                      codec_state)
+
+
+def apply_fragment(outer, params, island_params, state, synced,
+                   fragment: int) -> outer_state.Update:
+  """The outer object's `apply` of fragment `fragment`'s send: x's leaves
+  of it stepped on `synced`, the round counted, and `island_params` (None
+  will do) merged at once where fragment_delay is 0."""
+  x, state = fragments_lib.with_fragment_parts(
+      params, state, fragment, outer.step_fragment(
+          fragments_lib.fragment_parts(params, state, fragment), synced))
+  state = state.replace(included=synced.included, round=state.round + 1)
+  if outer.overlap.fragment_delay == 0 and island_params is not None:
+    island_params = outer.merge(x, island_params, state, fragment=fragment)
+  return outer_state.Update(x, island_params, state)
 
 
 def merge_fragment(params, island_params, assignment, fragment: int,

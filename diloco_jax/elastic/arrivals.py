@@ -12,16 +12,15 @@ while the islands train on. Under round_budget 'time' each island's call
 takes as many steps as fit in the fastest's H (speeds.py), so every
 island sends about once a window.
 
-Each result's pseudo-gradient, against the x its call started from,
-times its share of a window (its tokens, times its corpus share, over
-those of the members' calls together), joins the window's sum, and x at
-once becomes the outer object's step (codec, outer optimizer) over that
-sum from the window's first x; the optimizer's state (its momentum)
-moves on once a window (Coordinator.apply_arrival). A window in which
-each member sent once thus moves x exactly as a synchronous round's
-token-weighted mean does. A result that more results overtook than the
-one each other member sends meanwhile counts at 1 / (1 + that excess in
-windows): the staleness rule of late results.
+Each result is the outer object's window step (algorithm/outer_windows.py,
+Coordinator.apply_arrival): its pseudo-gradient, against the x its call
+started from, times its share of a window (its tokens, times its corpus
+share, over those of the members' calls together; `arrival_scale`, with
+the staleness rule of late results), joins the window's sum, and x at
+once becomes the outer step over that sum from the window's first x; the
+optimizer's state moves on once a window. A window in which each member
+sent once thus moves x exactly as a synchronous round's token-weighted
+mean does.
 
 Data positions move on by the batches of each result that reached x; an
 island whose call failed (its process died) starts its next call from
@@ -38,6 +37,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
+from diloco_jax.algorithm import outer_windows
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import rounds as rounds_lib
 
@@ -54,18 +54,6 @@ class _Call:
 # A call that fails this often in one window waits for the next window
 # (a process Ray no longer restarts fails at once, every time).
 _FAILURES_PER_WINDOW = 2
-
-
-def arrival_scale(weight: float, window_weight: float, overtaken: int,
-                  members: int) -> float:
-  """What a result's pseudo-gradient is multiplied by when it reaches x:
-  its `weight` (tokens times corpus share) over the window's
-  (`window_weight`: the members' calls together), divided by 1 + how many
-  windows late it is: the results applied since its call started
-  (`overtaken`) beyond the one each other member sends meanwhile, in
-  windows of `members` results."""
-  late = max(0, overtaken - (members - 1)) / members
-  return weight / window_weight / (1 + late)
 
 
 @dataclasses.dataclass
@@ -188,7 +176,7 @@ class ArrivalRounds:
     arrived_at = time.time()
     self._shares[i] = result["share"]
     overtaken = self._applied - call.applied_before
-    scale = arrival_scale(result["share"] * result["tokens"],
+    scale = outer_windows.arrival_scale(result["share"] * result["tokens"],
                           self._window_weight(members, steps, result),
                           overtaken, len(members))
     applied = self._coordinator.apply_arrival(

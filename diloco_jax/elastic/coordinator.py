@@ -11,8 +11,9 @@ island starts its next round from its own point (`start`), not x. Under
 Streaming DiLoCo a round ends at each fragment's send (round_steps.py): the
 object's update of that fragment (`fragment=p`) on what the islands sent
 of it, x's other fragments untouched; each island merges it itself.
-Under the asynchronous mode (arrivals.py) each result is stepped on alone
-as it arrives (`apply_arrival`), and a round is counted per window.
+Under the asynchronous mode (arrivals.py) each result joins its window's
+sum as it arrives (the object's `add_arrival`), and a round is counted
+per window.
 """
 
 import functools
@@ -85,10 +86,10 @@ class Coordinator:
     self._starts_of_round = {}  # round -> the points it started from
     self._update = jax.jit(outer.update, static_argnames="fragment")
     self._apply = jax.jit(outer.apply, static_argnames="fragment")
-    self._mean = jax.jit(outer.mean, static_argnames="fragment")
-    # The asynchronous mode's open window: (its first x, its first state,
-    # its results' pseudo-gradients summed), or None.
+    # The asynchronous mode's open window (outer_windows.Window), or None.
     self._window = None
+    self._arrival_mean = jax.jit(outer.arrival_mean)
+    self._add_arrival = jax.jit(outer.add_arrival)
     self._finish = jax.jit(outer.finish)
     self._land = jax.jit(outer.land)
     self._model = jax.jit(outer.model)
@@ -172,39 +173,32 @@ class Coordinator:
   def apply_arrival(self, island: int, result: dict, start,
                     scale: float, arrival: tuple[int, int]) -> bool:
     """The asynchronous mode's outer step (arrivals.py) on one island's
-    result the moment it arrives: its pseudo-gradient against `start`
-    (the x its call started from) times `scale`, through the codec, is
-    added to its window's, and x becomes the outer optimizer's step over
-    that sum from the window's first x and optimizer state. The optimizer
-    state (its momentum) moves on once a window, at `count_round`, as a
-    round's does: stepped once per result, it compounds stale results
-    (delayed Nesterov, Liu et al. 2024). The island's data position moves
-    on. `arrival`: (the round, how many of its results came before), its
-    rounding key's. Returns whether the result was applied (a non-finite
-    one is not)."""
-    weights = np.zeros(self._islands, np.float32)
-    weights[island] = 1.0
+    result the moment it arrives: the outer object's window step
+    (`arrival_mean`, `add_arrival`: its pseudo-gradient against `start`,
+    the x its call started from, times `scale`, joins its window's sum;
+    the optimizer state moves once a window, at `count_round`). The
+    island's data position moves on. `arrival`: (the round, how many of
+    its results came before), its rounding key's. Returns whether the
+    result was applied (a non-finite one is not)."""
     self.round_bytes = library.bytes_sent(self.x, self._islands,
                                           self._outer.codec,
                                           self._state.codec_state)
     if self._island_encoded:
+      weights = np.zeros(self._islands, np.float32)
+      weights[island] = 1.0
       synced = self._decoded_mean({island: result["payload"]}, weights,
                                   self.x, scales={island: scale})
     else:
-      params = [self.x] * self._islands
-      params[island] = _rebased(self.x, start, result["params"], scale)
-      islands = jax.tree.map(lambda *leaves: np.stack(leaves), *params)
-      synced = self._mean(
-          self.x, islands, self._state, weights=jnp.asarray(weights),
+      synced = self._arrival_mean(
+          self.x, self._state, island, result["params"], start,
+          scale=np.float32(scale),
           key=island_sync.rounding_key(self._rounding_seed, *arrival))
     if not bool(np.asarray(synced.included)[island]):
       return False
-    base_x, base_state, total = self._window or (self.x, self._state, None)
-    total = (synced.mean if total is None
-             else jax.tree.map(jnp.add, total, synced.mean))
-    self._window = (base_x, base_state, total)
-    step = self._apply(base_x, None, base_state, synced._replace(mean=total))
-    self.x, self._state = jax.device_get((step.params, step.state))
+    if self._window is None:
+      self._window = self._outer.open_window(self.x, self._state)
+    x, state, self._window = self._add_arrival(self._window, synced)
+    self.x, self._state = jax.device_get((x, state))
     self.data_states[island] = result["data_state"]
     return True
 
@@ -389,9 +383,7 @@ def _from_legacy(old: library_diloco.DiLoCoState,
                       round=old.round)
 
 
-def _rebased(point, start_then, y_then, scale: float = 1.0):
-  """Params whose pseudo-gradient against `point` is `scale` times
-  y_then's against `start_then`: a late island's update, moved onto its
-  point now."""
-  return jax.tree.map(lambda a, b, c: a - scale * (b - c), point,
-                      start_then, y_then)
+def _rebased(point, start_then, y_then):
+  """Params whose pseudo-gradient against `point` is y_then's against
+  `start_then`: a late island's update, moved onto its point now."""
+  return jax.tree.map(lambda a, b, c: a - (b - c), point, start_then, y_then)
