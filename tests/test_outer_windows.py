@@ -128,11 +128,18 @@ def test_a_result_that_is_not_finite_changes_nothing():
   _close((x2, state2, window2), (x1, state1, window1), 0)
 
 
-def test_an_overlap_is_refused_in_one_line():
-  outer = diloco.diloco(overlap=diloco.one_step_delay())
+@pytest.mark.parametrize("outer,k,message", [
+    (diloco.diloco(overlap=diloco.one_step_delay()), _K,
+     "open_window: .*no_overlap"),
+    (diloco.diloco(), None, "open_window: the state is one island's"),
+    (diloco.diloco(codec=diloco.codec("int8")), _K,
+     "open_window: the state was made by another outer object"),
+], ids=["overlap", "per-island state", "another object's state"])
+def test_what_windows_cannot_take_is_one_line(outer, k, message):
   x = _params()
-  with pytest.raises(ValueError, match="open_window: .*no_overlap") as error:
-    outer.open_window(x, outer.init(x, _K))
+  state = (diloco.diloco() if "another" in message else outer).init(x, k)
+  with pytest.raises(ValueError, match=message) as error:
+    outer.open_window(x, state)
   assert "\n" not in str(error.value)
 
 

@@ -328,7 +328,7 @@ class DiLoCo:
 
   def open_window(self, params, state: OuterState) -> outer_windows.Window:
     """A window of results opening at x = `params` and stacked `state`."""
-    outer_checks.check_plain(self, "open_window")
+    outer_checks.check_window(self, state, "open_window")
     return outer_windows.open_window(params, state)
 
   def arrival_mean(self, params, state: OuterState, island, island_params,

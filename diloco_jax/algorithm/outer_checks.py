@@ -105,14 +105,20 @@ def check_form(stacked: bool, axis_name, function: str) -> None:
         "[k, ...] make the state with init(params, num_islands=k)")
 
 
-def check_plain(outer, function: str) -> None:
-  """Refuses an outer object whose step is not the plain one (results
-  that arrive one at a time, outer_windows.py)."""
+def check_window(outer, state, function: str) -> None:
+  """Results that arrive one at a time (outer_windows.py): the plain
+  outer step, on a stacked state this object made."""
   if not isinstance(outer.overlap, outer_overlaps.NoOverlap):
     raise ValueError(
         f"{function}: results that arrive one at a time take the plain "
         f"outer step; overlap {outer.overlap} has no rounds to overlap "
         "here (build it with diloco(..., overlap=no_overlap()))")
+  check_state(outer, state, function)
+  if state.included.ndim != 1:
+    raise ValueError(
+        f"{function}: the state is one island's (made with "
+        "num_islands=None); results that arrive one at a time meet where "
+        "x is: make the state with init(params, num_islands=k)")
 
 
 def check_merge(outer, params, island_params, state, fragment) -> None:

@@ -80,7 +80,7 @@ def arrival_mean(outer, params, state, island, island_params, start, *,
   island's slot of the stacked state; x and `state` are as they stand
   now, so its residual and the codec state move on from the results
   already applied."""
-  outer_checks.check_plain(outer, "arrival_mean")
+  outer_checks.check_window(outer, state, "arrival_mean")
   num_islands = state.included.shape[0]
   # The other islands' slots hold x against x: weight 0, they send nothing.
   put = lambda tree: jax.tree.map(
@@ -100,7 +100,7 @@ def add_arrival(outer, window: Window, synced: island_mean_lib.IslandMean):
   the window's sum with `synced.mean` added, from the window's first x
   and state; the window holding it. A result that is not finite
   (`synced.anyone` False) changes nothing."""
-  outer_checks.check_plain(outer, "add_arrival")
+  outer_checks.check_window(outer, window.state, "add_arrival")
   taken = synced.anyone
   total = jax.tree.map(lambda t, m: t + jnp.where(taken, m, 0.0),
                        window.total, synced.mean)
