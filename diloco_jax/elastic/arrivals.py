@@ -115,6 +115,7 @@ class ArrivalRounds:
     # A slot that left has no process any more: its call is gone with it.
     self._calls = {ref: call for ref, call in self._calls.items()
                    if call.island in members}
+    self._fleet.fetches.keep_only(self._calls)
     x_ref = ray.put(self._coordinator.x)
     # Under round_budget 'time' the members are timed before the first.
     self._round_steps_of.plan(self._fleet, {i: x_ref for i in members},
@@ -152,9 +153,10 @@ class ArrivalRounds:
 
   def _take_next(self, window: _Window, members: list[int], steps: int,
                  round_number: int) -> _Call:
-    """Waits for the first of the calls running to end, applies its
-    result (or counts its failure) and returns the call."""
-    [ref], _ = ray.wait(list(self._calls), num_returns=1)
+    """Waits for the first of the calls running to end (every call's
+    result is pulled from its sending on, fetches.py), applies its result
+    (or counts its failure) and returns the call."""
+    ref = self._fleet.fetches.wait(list(self._calls))[0]
     call = self._calls.pop(ref)
     window.run_steps += call.steps
     self._take(ref, call, window, members, steps, round_number)
@@ -166,7 +168,7 @@ class ArrivalRounds:
     its failure (the island's process died)."""
     i = call.island
     try:
-      result = ray.get(ref)
+      result = self._fleet.fetches.take(ref)
     except (ray.exceptions.RayActorError,
             ray.exceptions.RayTaskError) as error:
       window.failed[i] = f"{type(error).__name__}: {str(error)[:200]}"

@@ -15,6 +15,7 @@ import ray
 import ray.exceptions
 
 from diloco_jax.config import run_config as run_config_lib
+from diloco_jax.elastic import fetches as fetches_lib
 from diloco_jax.elastic import island as island_lib
 from diloco_jax.elastic import quorum
 from diloco_jax.elastic import settings as settings_lib
@@ -47,6 +48,8 @@ class Fleet:
     # island -> its call for the next round, sent before this one closed
     # (pipelined rounds: `start_ahead`).
     self._ahead = {}
+    # Every call's result, pulled from the moment it is sent.
+    self.fetches = fetches_lib.Fetches()
 
   def set_members(self, members: list[int]) -> tuple[list[int], list[int]]:
     """Starts a process for each slot that joins and ends the process of
@@ -79,6 +82,7 @@ class Fleet:
     for i, ref in self._ahead.items():
       self.calls[ref], self._started[ref] = i, round_number
     self._ahead = {}
+    self.fetches.keep_only(self.calls)
     idle = [i for i in self._programs
             if i not in self._in_flight and i not in self.calls.values()]
     self._rejoining.update(self._found_dead(idle))
@@ -96,9 +100,11 @@ class Fleet:
     `start` on the batches after `data_state`, its schedule at the run's
     `first_step` where `budgeted` (its steps its own, speeds.py); it waits
     for Ray's restart of a process that died."""
-    return _train_call(self._programs[i], self._restarting(i)).remote(
+    ref = _train_call(self._programs[i], self._restarting(i)).remote(
         start, round_number, data_state, steps, self._applied.get(i, False),
         first_step, budgeted)
+    self.fetches.watch(ref)
+    return ref
 
   def answered(self, i: int, result: dict, applied: bool) -> None:
     """Island i's call came back with `result`, which reached x or not
@@ -152,6 +158,7 @@ class Fleet:
           start, round_number, None,
           steps if island_steps is None else island_steps.get(i, steps),
           True, first_step, island_steps is not None)
+      self.fetches.watch(self._ahead[i])
 
   def measure_step_seconds(self, starts: dict) -> dict[int, float]:
     """island -> its seconds per inner step, each member timed on its own

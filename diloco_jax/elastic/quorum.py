@@ -9,8 +9,9 @@ batches again in a later round: nothing it did not contribute counts).
 import dataclasses
 import time
 
-import ray
 import ray.exceptions
+
+from diloco_jax.elastic import fetches as fetches_lib
 
 
 @dataclasses.dataclass
@@ -31,19 +32,21 @@ class RoundResults:
   seconds: float
 
 
-def collect(calls: dict, min_islands: int,
-            grace_seconds: float) -> RoundResults:
+def collect(calls: dict, min_islands: int, grace_seconds: float,
+            fetches: fetches_lib.Fetches) -> RoundResults:
   """Waits for the round's calls (ObjectRef -> island) under the quorum
-  rule and returns what came back."""
+  rule and returns what came back. `fetches` pulls every call's result
+  at once (fetches.py), each taken as it is here."""
   start = time.monotonic()
   results, failed = {}, {}
   pending = list(calls)
 
   def take(ready):
     for ref in ready:
+      pending.remove(ref)
       island = calls[ref]
       try:
-        results[island] = ray.get(ref)
+        results[island] = fetches.take(ref)
       except (ray.exceptions.RayActorError,
               ray.exceptions.RayTaskError) as error:
         failed[island] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -51,14 +54,12 @@ def collect(calls: dict, min_islands: int,
   # Failed islands do not count towards the quorum; with too few islands
   # alive to reach it, the round closes when every call has answered.
   while pending and len(results) < min_islands:
-    ready, pending = ray.wait(pending, num_returns=1)
-    take(ready)
+    take(fetches.wait(pending))
   deadline = time.monotonic() + grace_seconds
   while pending:
     left = deadline - time.monotonic()
     if left <= 0:
       break
-    ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-    take(ready)
+    take(fetches.wait(pending, timeout=left))
   return RoundResults(results, failed, [calls[ref] for ref in pending],
                       pending, time.monotonic() - start)

@@ -77,7 +77,7 @@ class QuorumRounds:
                         next_steps, self._ends[round_number - 1],
                         self._ahead_plan)
     came_back = quorum.collect(calls, self._settings.min_islands,
-                               self._settings.grace_seconds)
+                               self._settings.grace_seconds, fleet.fetches)
     included = coordinator.close_round(came_back.results, round_number)
     fleet.settle(came_back, included, round_number)
     self._round_steps_of.measured(came_back.results)
