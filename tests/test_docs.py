@@ -564,7 +564,7 @@ FIGURE_HOMES = {
     "7.75x": "docs/compression.md",  # int4 on the default config
     "1.25x": "docs/benchmarks.md",  # the GPU inner step against torch.compile
     "40.5%": "docs/benchmarks.md",  # model FLOP utilization on one H100
-    "0.50x": "docs/elastic.md",  # pipelined delayed rounds at 10 Mbit/s
+    "0.74x": "docs/elastic.md",  # pipelined delayed rounds at 10 Mbit/s
     "0.83 of": "docs/elastic.md",  # compute used by time-budgeted rounds
     "-12% to +11%": "docs/shaped_links.md",  # shaped runs against the model
 }
