@@ -147,8 +147,8 @@ def test_the_islands_results_cross_their_links_at_once(namespace):
 def test_a_killed_coordinator_takes_its_island_nodes_with_it(
     namespace, tmp_path):
   """SIGKILL the coordinator mid-run: its watch ends the island nodes'
-  Ray processes and removes their namespaces and Ray directory within
-  seconds."""
+  Ray processes and removes their namespaces (with their /etc/netns
+  entries), the bridge and their Ray directory within seconds."""
   workdir = tmp_path / "run"
   run = test_elastic._elastic(  # pylint: disable=protected-access
       namespace, workdir, *_flags({**_MODEL, "elastic.link_mbit": _MBIT,
@@ -166,8 +166,17 @@ def test_a_killed_coordinator_takes_its_island_nodes_with_it(
     os.kill(coordinator, signal.SIGKILL)
     deadline = time.monotonic() + 20
     nodes_dir = f"/tmp/dj{coordinator}nodes"
-    while _namespaces() & made or os.path.exists(nodes_dir):
-      assert time.monotonic() < deadline, (_namespaces() & made, nodes_dir)
+    bridge = f"dj{coordinator}br"
+
+    def left():
+      links = subprocess.run(["ip", "-n", namespace.name, "link", "show"],
+                             capture_output=True, text=True).stdout
+      return (_namespaces() & made, os.path.exists(nodes_dir),
+              {ns for ns in made if os.path.exists(f"/etc/netns/{ns}")},
+              bridge in links)
+
+    while any(left()):
+      assert time.monotonic() < deadline, left()
       time.sleep(0.2)
   finally:
     run.kill()

@@ -105,7 +105,8 @@ def _run_on_ray(run_config, settings, workdir, ray_address) -> dict:
       context = ray.get_runtime_context()
       watch = ray_watch.start(
           os.path.join(context.get_temp_dir(), context.get_session_name()),
-          *(() if nodes is None else (nodes.nodes_dir, nodes.network.ns)))
+          *(() if nodes is None else (nodes.nodes_dir, nodes.network.ns,
+                                      nodes.network.bridge)))
   coordinator = None
   try:
     if nodes is not None:

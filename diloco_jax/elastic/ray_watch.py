@@ -41,16 +41,17 @@ _SWEEP_S = 1.0
 _SHUT_DOWN = b"shut down\n"
 
 
-def start(session_dir: str, nodes_dir: str = "",
-          namespaces=()) -> subprocess.Popen:
+def start(session_dir: str, nodes_dir: str = "", namespaces=(),
+          bridge: str = "") -> subprocess.Popen:
   """Starts the watch of the Ray session in `session_dir` (this process's
   Ray, started by this process); its process. Keep it until `stop`.
   `nodes_dir`: where the run's other Ray nodes on this machine keep their
   sessions (island_nodes.py), whose processes end too; `namespaces`: the
-  network namespaces they run in, removed after."""
+  network namespaces they run in, removed after with their /etc/netns
+  entries, and `bridge`, the link that joined them (netns.Network's)."""
   return subprocess.Popen(
       [sys.executable, "-I", os.path.abspath(__file__), session_dir,
-       str(os.getpid()), nodes_dir, *namespaces],
+       str(os.getpid()), nodes_dir, bridge, *namespaces],
       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL, cwd="/", start_new_session=True)
 
@@ -123,7 +124,7 @@ def _kill_session(session_dir: str, coordinator: int, sweep_s: float,
 
 
 def _main(session_dir: str, coordinator: int, nodes_dir: str = "",
-          namespaces=()) -> None:
+          bridge: str = "", namespaces=()) -> None:
   for sig in (signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN)
   # Blocks until the coordinator closes its end: by stop(), or by ending.
@@ -138,12 +139,18 @@ def _main(session_dir: str, coordinator: int, nodes_dir: str = "",
     said += read
   _kill_session(session_dir, coordinator,
                 0.0 if said == _SHUT_DOWN else _SWEEP_S, nodes_dir)
-  for namespace in namespaces:  # gone already after a normal end
+  # The island nodes' network (gone already after a normal end): each
+  # namespace (its veth pair with it), its /etc/netns entry, the bridge.
+  for namespace in namespaces:
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True,
+                   check=False)
+    shutil.rmtree(os.path.join("/etc/netns", namespace), ignore_errors=True)
+  if bridge and os.path.exists(f"/sys/class/net/{bridge}"):
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True,
                    check=False)
   if nodes_dir:  # the island nodes' Ray sessions, their processes ended
     shutil.rmtree(nodes_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
-  _main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4], sys.argv[4:])
+  _main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:5], sys.argv[5:])
