@@ -178,9 +178,10 @@ class ArrivalRounds:
     arrived_at = time.time()
     self._shares[i] = result["share"]
     overtaken = self._applied - call.applied_before
-    scale = outer_windows.arrival_scale(result["share"] * result["tokens"],
-                          self._window_weight(members, steps, result),
-                          overtaken, len(members))
+    scale = outer_windows.arrival_scale(
+        result["share"] * result["tokens"],
+        self._window_weight(members, steps, result), overtaken,
+        len(members))
     applied = self._coordinator.apply_arrival(
         i, result, call.start, scale, arrival=(round_number, window.applied))
     self._fleet.answered(i, result, applied)
