@@ -14,7 +14,11 @@ one thread's finished get dropping the other's pull.
 Here one thread keeps a single wait over every result not here yet,
 renewed every `poll_seconds` (a renewed wait keeps what its pull has),
 so each island's result crosses its own link from the moment it is made,
-and the driver takes the results as they land.
+and the driver takes the results as they land. A wait for every result
+returns only when all are here, so the renewal is also how soon a
+landed result is seen: at 50 ms the asynchronous mode's results reached
+the coordinator 35 ms after their calls ended (9 ms before), at 10 ms
+13 ms.
 """
 
 import concurrent.futures
@@ -27,7 +31,7 @@ class Fetches:
   """The results of the calls `watch` was given, all pulled at once;
   `wait` for some, `take` each."""
 
-  def __init__(self, poll_seconds: float = 0.05):
+  def __init__(self, poll_seconds: float = 0.01):
     self._poll_seconds = poll_seconds
     self._futures = {}  # ObjectRef -> concurrent.futures.Future
     self._lock = threading.Lock()
